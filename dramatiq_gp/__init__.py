@@ -1,0 +1,53 @@
+"""dramatiq-gp: Dramatiq as a complete background-work chassis.
+
+Everything an application uses is importable from here.
+"""
+
+from .broker import Broker
+from .errors import (
+    BrokerUnreachable,
+    ConfigError,
+    EventEncodeError,
+    EventError,
+    GPError,
+    HandlerPanic,
+    RegistrationError,
+)
+from .events import EventType, event, event_type
+from .kit import Kit, RegisterFunc, current_kit, dispatch
+from .middleware import ClaimUnavailable, IdempotentExecution, PanicRecovery, TaskLog
+from .registry import Listener, Registry, default_registry, fan_out_id, listener
+from .scheduler import Schedule
+from .settings import LogSettings, QueueSettings, Settings, WorkerSettings
+
+__all__ = [
+    "Broker",
+    "BrokerUnreachable",
+    "ClaimUnavailable",
+    "ConfigError",
+    "EventEncodeError",
+    "EventError",
+    "EventType",
+    "GPError",
+    "HandlerPanic",
+    "IdempotentExecution",
+    "Kit",
+    "Listener",
+    "LogSettings",
+    "PanicRecovery",
+    "QueueSettings",
+    "RegisterFunc",
+    "RegistrationError",
+    "Registry",
+    "Schedule",
+    "Settings",
+    "TaskLog",
+    "WorkerSettings",
+    "current_kit",
+    "default_registry",
+    "dispatch",
+    "event",
+    "event_type",
+    "fan_out_id",
+    "listener",
+]

@@ -1,0 +1,230 @@
+"""Dramatiq's Redis broker with the few things the kit needs from it.
+
+* :meth:`Broker.enqueue_many` sends a batch in one round trip (Dramatiq has no
+  batch API), all or nothing, every message encoded before any is sent.
+* Settling a message (ack, nack, requeue) also writes, in the same Lua call, what
+  the kit has to record with it: the idempotency outcome and, for a deferred
+  message, its delayed copy. So "acked" always implies "recorded", and a deferral
+  can never lose the message.
+* A message for a task type no actor here handles is held back for a grace
+  period (a newer worker may know it), then acked and skipped with one warning,
+  instead of Dramatiq's dead-lettering.
+
+The Lua below mirrors the key layout of Dramatiq's ``dispatch.lua`` (2.x).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from uuid import uuid4
+
+import redis
+from dramatiq import Message
+from dramatiq.broker import MessageProxy
+from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
+from dramatiq.common import current_millis, dq_name, q_name
+from dramatiq.errors import ConnectionClosed
+
+logger = logging.getLogger(__name__)
+
+#: How long a message for an unknown task type waits between looks.
+UNKNOWN_TASK_RETRY_MS = 30_000
+
+_SETTLE = """
+-- KEYS: heartbeats, acks, msgs, queue, xq, xq msgs, idempotency key, delay queue, delay msgs
+-- ARGV: command, now, worker id, redis message id, outcome, token, retention ms, copy id, copy data
+redis.call("zadd", KEYS[1], ARGV[2], ARGV[3])
+local id = ARGV[4]
+if redis.call("srem", KEYS[2], id) > 0 then
+    if ARGV[1] == "ack" then
+        redis.call("hdel", KEYS[3], id)
+    elseif ARGV[1] == "requeue" then
+        redis.call("rpush", KEYS[4], id)
+    else
+        local data = redis.call("hget", KEYS[3], id)
+        if data then
+            redis.call("zadd", KEYS[5], ARGV[2], id)
+            redis.call("hset", KEYS[6], id, data)
+            redis.call("hdel", KEYS[3], id)
+        end
+    end
+    if ARGV[8] ~= "" then
+        redis.call("hset", KEYS[9], ARGV[8], ARGV[9])
+        redis.call("rpush", KEYS[8], ARGV[8])
+    end
+end
+if ARGV[5] == "done" then
+    redis.call("set", KEYS[7], "done", "PX", ARGV[7])
+elseif ARGV[5] == "release" and redis.call("get", KEYS[7]) == ARGV[6] then
+    redis.call("del", KEYS[7])
+end
+"""
+
+SETTLEMENT_ATTR = "_gp_settlement"
+
+
+@dataclass(slots=True)
+class Settlement:
+    """What to write together with a message's ack, nack or requeue."""
+
+    #: Idempotency key and the token of this attempt's claim ("" if none).
+    key: str = ""
+    token: str = ""
+    #: ``"done"`` marks the id completed, ``"release"`` frees the claim.
+    outcome: str = ""
+    retention_ms: int = 0
+    #: A copy to deliver again after ``delay_ms`` (a deferral).
+    redeliver: Message[Any] | None = None
+    delay_ms: int = 0
+
+
+def settlement(message: MessageProxy) -> Settlement | None:
+    return getattr(message, SETTLEMENT_ATTR, None)
+
+
+def attach_settlement(message: MessageProxy, value: Settlement) -> None:
+    setattr(message, SETTLEMENT_ATTR, value)
+
+
+class Broker(RedisBroker):
+    """A :class:`dramatiq.brokers.redis.RedisBroker` that the kit's middleware relies on.
+
+    Parameters:
+        unknown_task_grace_ms: how long messages for an unknown task type are held
+            before they are skipped.
+        **options: passed to ``RedisBroker`` (``client``, ``namespace``, ``middleware``...).
+    """
+
+    def __init__(self, *, unknown_task_grace_ms: int = 300_000, **options: Any) -> None:
+        super().__init__(**options)  # type: ignore[no-untyped-call]
+        self.unknown_task_grace_ms = unknown_task_grace_ms
+        self._settle = self.client.register_script(_SETTLE)
+        self._warned_lock = threading.Lock()
+        self._warned: set[tuple[str, str]] = set()
+
+    @property
+    def consumer_class(self) -> type[_Consumer]:
+        return _Consumer
+
+    def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
+        """Enqueue ``messages`` in one round trip, all or none.
+
+        Every message is encoded before anything is sent, so an encoding error
+        leaves nothing half-sent.
+        """
+        if len(messages) == 1:
+            return [self.enqueue(messages[0])]
+        prepared = []
+        for message in messages:
+            message = message.copy(options={"redis_message_id": str(uuid4())})
+            self.emit_before("enqueue", message, None)
+            prepared.append((message, message.encode()))
+        dispatch, now = self.scripts["dispatch"], current_millis()
+        fixed = [self.broker_id, self.heartbeat_timeout, self.dead_message_ttl, 0, self._max_unpack_size()]  # type: ignore[no-untyped-call]
+        with self.client.pipeline(transaction=True) as pipe:
+            for message, data in prepared:
+                args = ["enqueue", now, message.queue_name, *fixed, message.options["redis_message_id"], data]
+                dispatch(keys=[self.namespace], args=args, client=pipe)
+            pipe.execute()
+        for message, _ in prepared:
+            self.emit_after("enqueue", message, None)
+        return [message for message, _ in prepared]
+
+    def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
+        """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`Settlement`."""
+        plan = settlement(message) or Settlement()
+        ns, queue = self.namespace, queue_name
+        canonical, delayed = q_name(queue), dq_name(q_name(queue))
+        copy_id, copy_data = "", b""
+        if plan.redeliver is not None:
+            copy_id = str(uuid4())
+            copy = plan.redeliver.copy(
+                queue_name=delayed,
+                options={"redis_message_id": copy_id, "eta": current_millis() + plan.delay_ms},
+            )
+            self.emit_before("enqueue", copy, plan.delay_ms)
+            copy_data = copy.encode()
+        keys = [
+            f"{ns}:__heartbeats__",
+            f"{ns}:__acks__.{self.broker_id}.{queue}",
+            f"{ns}:{queue}.msgs",
+            f"{ns}:{queue}",
+            f"{ns}:{canonical}.XQ",
+            f"{ns}:{canonical}.XQ.msgs",
+            plan.key or f"{ns}:__unused__",
+            f"{ns}:{delayed}",
+            f"{ns}:{delayed}.msgs",
+        ]
+        args = [command, current_millis(), self.broker_id, message.options["redis_message_id"],
+                plan.outcome, plan.token, plan.retention_ms, copy_id, copy_data]  # fmt: skip
+        try:
+            self._settle(keys=keys, args=args)
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        if plan.redeliver is not None:
+            self.emit_after("enqueue", copy, plan.delay_ms)
+
+    def warn_once(
+        self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING
+    ) -> None:
+        """Log ``msg`` the first time ``kind`` happens to ``task_type`` in this process."""
+        with self._warned_lock:
+            if (kind, task_type) in self._warned:
+                return
+            self._warned.add((kind, task_type))
+        logger.log(level, msg, *args)
+
+    def _hold_or_skip_unknown(self, consumer: _Consumer, message: MessageProxy) -> None:
+        now = current_millis()
+        since = message.options.get("gp_unknown_since", now)
+        waited = now - since
+        if waited < self.unknown_task_grace_ms:
+            self.warn_once(
+                "held", message.actor_name,
+                "no handler for task type %r here; holding its messages for up to %d s in case "
+                "a newer worker handles them (WORKER_UNKNOWN_TASK_GRACE)",
+                message.actor_name, self.unknown_task_grace_ms // 1000, level=logging.INFO,
+            )  # fmt: skip
+            attach_settlement(message, Settlement(
+                redeliver=message.copy(options={"gp_unknown_since": since}),
+                delay_ms=min(UNKNOWN_TASK_RETRY_MS, self.unknown_task_grace_ms - waited),
+            ))  # fmt: skip
+        else:
+            self.warn_once(
+                "skipped", message.actor_name,
+                "task skipped: no handler registered for task type %r (task_id=%s); "
+                "further messages of this type are skipped too",
+                message.actor_name, message.message_id,
+            )  # fmt: skip
+        consumer.ack(message)
+
+
+class _Consumer(_RedisConsumer):
+    broker: Broker
+
+    def __next__(self) -> MessageProxy | None:
+        message: MessageProxy | None = super().__next__()  # type: ignore[no-untyped-call]
+        # Delayed messages are only parked here; they are checked when they come due.
+        if message is None or message.actor_name in self.broker.actors or self.queue_name.endswith(".DQ"):
+            return message
+        self.broker._hold_or_skip_unknown(self, message)
+        return None
+
+    def ack(self, message: MessageProxy) -> None:
+        self._post(message, "ack")
+
+    def nack(self, message: MessageProxy) -> None:
+        self._post(message, "nack")
+
+    def _post(self, message: MessageProxy, command: str) -> None:
+        if settlement(message) is None:
+            super().ack(message) if command == "ack" else super().nack(message)  # type: ignore[no-untyped-call]
+            return
+        try:
+            self.broker.settle(self.queue_name, message, command)
+        finally:
+            self.queued_message_ids.discard(message.message_id)

@@ -1,0 +1,164 @@
+"""The worker's start-up and shutdown order (SPEC section 1), driven by Dramatiq's hooks.
+
+Start-up: telemetry and the register callback run when the :class:`~dramatiq_gp.Kit`
+is built (the dramatiq CLI imports it in each worker process); then, from
+``after_process_boot``, the broker is pinged (exit code 3 with a one-line error if
+it does not answer); then Dramatiq starts the consumers and the kit logs what runs.
+
+Shutdown on SIGTERM/SIGINT: ``before_worker_shutdown`` stops the producers;
+Dramatiq drains in-flight tasks for up to ``WORKER_SHUTDOWN_TIMEOUT``;
+``after_worker_shutdown`` puts back what did not finish, runs the closers LIFO
+(the kit's own first, then the application's) and flushes telemetry. Each step
+is logged once at INFO.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from dramatiq import Broker, Middleware, Worker
+from dramatiq.broker import MessageProxy
+from dramatiq.cli import RET_CONNECT
+
+from . import broker as gp_broker
+from . import telemetry
+from .durations import format_duration
+from .errors import BrokerUnreachable
+
+Closer = Callable[[], object]
+
+
+class Closers:
+    """Named clean-up functions, run last-in first-out: the kit's own, then the application's."""
+
+    def __init__(self) -> None:
+        self.kit: list[tuple[str, Closer]] = []
+        self.app: list[tuple[str, Closer]] = []
+
+    def run(self, logger: logging.Logger) -> None:
+        for name, close in [*reversed(self.kit), *reversed(self.app)]:
+            try:
+                close()
+            except Exception:
+                logger.exception("closer %r failed; running the rest", name)
+            else:
+                logger.info("shutdown: closed %s", name)
+
+
+class Lifecycle(Middleware):
+    """Start-up checks, drain bookkeeping and ordered shutdown for one worker process.
+
+    Parameters:
+        check_connection: pings the broker; raises :class:`BrokerUnreachable`.
+        closers: run after the drain.
+        shutdown_timeout_ms: the drain limit; ``None`` keeps the CLI's.
+        queues: the queues to consume (``WORKER_QUEUES``); ``None`` means all.
+    """
+
+    def __init__(
+        self,
+        *,
+        check_connection: Callable[[], None],
+        closers: Closers,
+        shutdown_timeout_ms: int | None,
+        queues: Mapping[str, int] | None,
+    ) -> None:
+        self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
+        self.check_connection = check_connection
+        self.closers = closers
+        self.shutdown_timeout_ms = shutdown_timeout_ms
+        self.queues = queues
+        self._in_flight: dict[int, MessageProxy] = {}
+        self._drain_timeout_ms = 600_000
+
+    def after_process_boot(self, broker: Broker) -> None:
+        try:
+            self.check_connection()
+        except BrokerUnreachable as exc:
+            self.logger.error("start-up failed: %s", exc)
+            # SystemExit passes through Dramatiq's hook runner and ends this process
+            # with the CLI's "broker connection failed" code.
+            raise SystemExit(RET_CONNECT) from None
+
+    def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        stop = worker.stop
+
+        def stop_with_our_timeout(timeout: int = 600_000) -> None:
+            if self.shutdown_timeout_ms is not None:
+                timeout = self.shutdown_timeout_ms
+            self._drain_timeout_ms = timeout
+            stop(timeout=timeout)
+
+        # The dramatiq CLI passes its own --worker-shutdown-timeout; WORKER_SHUTDOWN_TIMEOUT wins.
+        worker.stop = stop_with_our_timeout  # type: ignore[method-assign]
+        if self.queues and not worker.consumer_whitelist:
+            worker.consumer_whitelist = set(self.queues)
+            ignored = sorted(q for q in broker.get_declared_queues() if q not in self.queues)
+            if ignored:
+                self.logger.warning(
+                    "queues %s have actors here but are not in WORKER_QUEUES; "
+                    "this worker will not consume them",
+                    ", ".join(ignored),
+                )
+
+    def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        consumed = sorted(q for q in worker.consumers if not q.endswith(".DQ"))
+        self.logger.info(
+            "start-up: consumers started on %s with %d threads",
+            ", ".join(consumed) or "no queues",
+            len(worker.workers),
+        )
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._in_flight[threading.get_ident()] = message
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        self._in_flight.pop(threading.get_ident(), None)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._in_flight.pop(threading.get_ident(), None)
+
+    def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        self.logger.info("shutdown: stopping producers")
+        self.logger.info(
+            "shutdown: draining in-flight tasks (up to %s)",
+            format_duration(timedelta(milliseconds=self._drain_timeout_ms)),
+        )
+
+    def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        self._return_unfinished(broker)
+        self.logger.info("shutdown: running closers")
+        self.closers.run(self.logger)
+        self.logger.info("shutdown: flushing telemetry")
+        telemetry.flush()
+
+    def _return_unfinished(self, broker: Broker) -> None:
+        unfinished = list(self._in_flight.values())
+        if not unfinished:
+            self.logger.info("shutdown: in-flight tasks drained")
+            return
+        assert isinstance(broker, gp_broker.Broker)
+        for message in unfinished:
+            try:
+                broker.settle(message.queue_name, message, "requeue")
+            except Exception:
+                self.logger.exception(
+                    "could not return task %s to its queue; it comes back after the heartbeat timeout",
+                    message.message_id,
+                )
+        self.logger.warning(
+            "shutdown: %d task(s) still running at the drain timeout went back to their queues: %s",
+            len(unfinished),
+            ", ".join(f"{m.actor_name}/{m.message_id}" for m in unfinished),
+        )

@@ -1,0 +1,165 @@
+"""Idempotent execution: duplicates of a message id never reach the handler twice.
+
+Dramatiq's Redis broker stores and runs a message id as often as it is enqueued.
+The kit's message ids are deterministic (fan-out, outbox, scheduler), so copies
+do happen: a relay crashing between enqueue and commit, a fan-out retried, two
+leaders overlapping. This middleware makes them harmless:
+
+* before running, one Lua call claims the id (``SET`` with a lease) unless it is
+  already marked done (the copy is acked and skipped) or claimed by a running
+  copy (the copy is deferred and looked at again later, so a crashed holder's
+  work is not lost);
+* the outcome is written in the same Lua call as the ack (see
+  :mod:`dramatiq_gp.broker`): ``done`` for a success, kept for the retention
+  window; the claim is released on failure, so a retry of the same id runs;
+* a thread renews the leases of messages still running, so a long task keeps its
+  claim and a dead worker's claim lapses within one lease.
+
+Only actors declared with ``idempotent=True`` take part (the kit's listeners and
+jobs do); a plain actor's ids are random, so checking them would buy nothing.
+Needs :class:`dramatiq_gp.broker.Broker`, whose settle step writes the outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+from uuid import uuid4
+
+import redis
+from dramatiq import Broker, Middleware, Worker
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import MiddlewareError, SkipMessage
+
+from ..broker import Settlement, attach_settlement, settlement
+
+_CLAIM = """
+local v = redis.call("get", KEYS[1])
+if not v then
+    redis.call("set", KEYS[1], ARGV[1], "PX", ARGV[2])
+    return {1, 0}
+end
+if v == "done" then
+    return {2, 0}
+end
+return {3, redis.call("pttl", KEYS[1])}
+"""
+
+_RENEW = """
+for i, key in ipairs(KEYS) do
+    if redis.call("get", key) == ARGV[i + 1] then
+        redis.call("pexpire", key, ARGV[1])
+    end
+end
+"""
+
+_CLAIMED, _DONE, _RUNNING = 1, 2, 3
+
+#: Bounds on how long a deferred copy waits before looking again.
+MIN_DEFER_MS, MAX_DEFER_MS = 1000, 30_000
+
+
+class ClaimUnavailable(MiddlewareError):
+    """Redis could not be asked whether the message already ran; the attempt fails and is retried."""
+
+
+class IdempotentExecution(Middleware):
+    """Skips message ids that already completed and keeps copies of one id from overlapping.
+
+    Parameters:
+        client: the Redis client holding the claims (the broker's).
+        key_prefix: prefix of the per-id keys.
+        retention_ms: how long a completed id is remembered (default 24 h).
+        lease_ms: how long a claim outlives its last renewal (default 60 s).
+    """
+
+    def __init__(
+        self,
+        *,
+        client: redis.Redis,
+        key_prefix: str = "dramatiq-gp:done:",
+        retention_ms: int = 86_400_000,
+        lease_ms: int = 60_000,
+    ) -> None:
+        self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
+        self.client = client
+        self.key_prefix = key_prefix
+        self.retention_ms = retention_ms
+        self.lease_ms = lease_ms
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._running: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {"idempotent"}
+
+    def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew_forever, name="gp-claim-renewer", daemon=True)
+        self._renewer.start()
+
+    def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        self._stop.set()
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        actor = broker.actors.get(message.actor_name)
+        if actor is None or not actor.options.get("idempotent"):
+            return
+        key, token = self.key_prefix + message.message_id, uuid4().hex
+        try:
+            state, pttl = self._claim(keys=[key], args=[token, self.lease_ms])
+        except redis.RedisError as exc:
+            raise ClaimUnavailable(
+                f"cannot check whether message {message.message_id} already ran: {exc}"
+            ) from exc
+        if state == _CLAIMED:
+            self._running[key] = token
+            attach_settlement(message, Settlement(key=key, token=token, outcome="release"))
+            return
+        if state == _DONE:
+            self.logger.warning(
+                "task skipped: already completed (duplicate) task_type=%s task_id=%s",
+                message.actor_name, message.message_id,
+            )  # fmt: skip
+        else:
+            delay_ms = max(MIN_DEFER_MS, min(int(pttl), MAX_DEFER_MS))
+            self.logger.info(
+                "task deferred: another copy is running task_type=%s task_id=%s retry_in_ms=%d",
+                message.actor_name, message.message_id, delay_ms,
+            )  # fmt: skip
+            attach_settlement(message, Settlement(redeliver=message.copy(), delay_ms=delay_ms))
+        raise SkipMessage()
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        plan = settlement(message)
+        if plan is not None and plan.token and exception is None:
+            plan.outcome, plan.retention_ms = "done", self.retention_ms
+
+    def after_ack(self, broker: Broker, message: MessageProxy) -> None:
+        plan = settlement(message)
+        if plan is not None and plan.key:
+            self._running.pop(plan.key, None)
+
+    after_nack = after_ack
+
+    def _renew_forever(self) -> None:
+        interval_s = self.lease_ms / 3000
+        while not self._stop.wait(interval_s):
+            running = dict(self._running)
+            if not running:
+                continue
+            try:
+                self._renew(keys=list(running), args=[self.lease_ms, *running.values()])
+            except redis.RedisError as exc:
+                self.logger.warning("could not renew %d claim(s): %s", len(running), exc)

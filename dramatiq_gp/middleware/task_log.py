@@ -1,0 +1,101 @@
+"""Task logs: ``task started``, ``task done``, ``task failed``, one line each, through stdlib logging.
+
+Dramatiq logs a failure at ERROR on every attempt and a warning for every skip;
+this middleware replaces those two lines (it filters them out of Dramatiq's
+worker logger) with lines that carry the task type, id, attempt, duration and
+whether the failure will be retried. Every other Dramatiq log line is kept.
+The fields are also passed as ``extra`` so a structured formatter can use them.
+``LOG_LEVEL=WARN`` silences the INFO lines.
+"""
+
+from __future__ import annotations
+
+import logging
+from time import perf_counter
+from typing import Any
+
+from dramatiq import Broker, Middleware, Retry
+from dramatiq.broker import MessageProxy
+
+_STARTED_ATTR = "_gp_started"
+
+
+class _ReplacedByTaskLog(logging.Filter):
+    LINES = frozenset({"Message %s was skipped.", "Failed to process message %s with unhandled exception."})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.LINES
+
+
+class TaskLog(Middleware):
+    """Logs each task's start and outcome.
+
+    Parameters:
+        logger_name: where the lines go (default ``dramatiq_gp.tasks``).
+    """
+
+    def __init__(self, *, logger_name: str = "dramatiq_gp.tasks") -> None:
+        self.logger = logging.getLogger(logger_name)
+        worker_logger = logging.getLogger("dramatiq.worker.WorkerThread")
+        if not any(isinstance(f, _ReplacedByTaskLog) for f in worker_logger.filters):
+            worker_logger.addFilter(_ReplacedByTaskLog())
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        attempt = message.options.get("retries", 0) + 1
+        setattr(message, _STARTED_ATTR, (perf_counter(), attempt))
+        if self.logger.isEnabledFor(logging.INFO):
+            self.logger.info(
+                "task started task_type=%s task_id=%s attempt=%d",
+                message.actor_name, message.message_id, attempt,
+                extra={"task_type": message.actor_name, "task_id": message.message_id, "attempt": attempt},
+            )  # fmt: skip
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        started = getattr(message, _STARTED_ATTR, None)
+        if started is None:
+            return
+        duration_ms = (perf_counter() - started[0]) * 1000
+        fields = {
+            "task_type": message.actor_name,
+            "task_id": message.message_id,
+            "attempt": started[1],
+            "duration_ms": round(duration_ms, 2),
+        }
+        if exception is None:
+            if self.logger.isEnabledFor(logging.INFO):
+                self.logger.info(
+                    "task done task_type=%s task_id=%s attempt=%d duration_ms=%.2f",
+                    message.actor_name, message.message_id, started[1], duration_ms, extra=fields,
+                )  # fmt: skip
+            return
+        # Retries has already decided by now (its after-hook runs before ours) and
+        # fails the message when the budget is spent.
+        fields["will_retry"] = will_retry = not message.failed
+        fields["error"] = error = f"{type(exception).__name__}: {exception}"
+        if isinstance(exception, Retry):
+            self.logger.info(
+                "task retry requested task_type=%s task_id=%s attempt=%d will_retry=%s",
+                message.actor_name, message.message_id, started[1], will_retry, extra=fields,
+            )  # fmt: skip
+            return
+        self.logger.error(
+            "task failed task_type=%s task_id=%s attempt=%d duration_ms=%.2f will_retry=%s error=%s",
+            message.actor_name, message.message_id, started[1], duration_ms, will_retry, error,
+            exc_info=exception, extra=fields,
+        )  # fmt: skip
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        started = getattr(message, _STARTED_ATTR, None)
+        if started is not None:
+            self.logger.warning(
+                "task skipped task_type=%s task_id=%s attempt=%d",
+                message.actor_name, message.message_id, started[1],
+                extra={"task_type": message.actor_name, "task_id": message.message_id, "attempt": started[1]},
+            )  # fmt: skip

@@ -1,0 +1,197 @@
+"""Listeners and the fan-out of an event to them.
+
+Each listener is its own Dramatiq actor, ``listener:<event>:<listener>``, on its
+own queue with its own options, so each runs as its own message and is retried
+on its own. Dispatching an event builds one message per listener whose id is
+derived from the envelope id and the actor name: fanning the same envelope out
+again yields the same ids, which the idempotent-execution middleware turns into
+no-ops.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from uuid import UUID, uuid5
+
+from dramatiq import Actor, Broker, Message
+
+from .errors import RegistrationError
+from .events import NAME, EventType, event_type
+from .settings import QUEUE_NAME
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Namespace of the fan-out message ids (uuid5 of envelope id and actor name).
+FAN_OUT_NAMESPACE = UUID("6b1f3c6e-3d2a-5e0c-9a51-2f2b8f1d6a10")
+
+
+def fan_out_id(envelope_id: str, actor_name: str) -> str:
+    """The message id of ``actor_name``'s copy of envelope ``envelope_id``."""
+    return str(uuid5(FAN_OUT_NAMESPACE, f"{envelope_id}/{actor_name}"))
+
+
+@dataclass(frozen=True)
+class Listener:
+    """One handler for one event type, with the options its messages carry."""
+
+    event: EventType
+    name: str
+    handler: Callable[[Any], object]
+    queue: str = "default"
+    priority: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def actor_name(self) -> str:
+        return f"listener:{self.event.name}:{self.name}"
+
+
+class Registry:
+    """The listeners of one application, and the actors that run them.
+
+    Register with :meth:`listen` (handlers that close over dependencies) or the
+    :meth:`listener` decorator (module-level functions). Once bound to a broker,
+    each new listener is declared as an actor at once.
+    """
+
+    def __init__(self) -> None:
+        self._by_event: dict[str, list[Listener]] = {}
+        self._broker: Broker | None = None
+        self._lock = threading.Lock()
+
+    def listen(
+        self,
+        event_cls: type[Any],
+        handler: Callable[[Any], object],
+        *,
+        name: str | None = None,
+        queue: str = "default",
+        priority: int = 0,
+        **options: Any,
+    ) -> Listener:
+        """Run ``handler(event)`` for every ``event_cls`` dispatched.
+
+        Parameters:
+            name: the listener's stable name (default: the handler's ``__name__``);
+                it is part of the actor name, so renaming it orphans queued messages.
+            queue: the queue its messages go to.
+            **options: Dramatiq actor options (``max_retries``, ``time_limit``, ...).
+
+        Raises:
+            RegistrationError: bad name, queue, handler or option, or a duplicate.
+        """
+        kind = event_type(event_cls)
+        name = name or str(getattr(handler, "__name__", ""))
+        where = f"listener {name!r} of event {kind.name!r}"
+        if not NAME.fullmatch(name):
+            raise RegistrationError(f"{where}: give it a name= made of letters, digits, '_', '.', '-'")
+        if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+            raise RegistrationError(f"{where}: {queue!r} is not a queue name")
+        _check_handler(where, handler)
+        listener = Listener(kind, name, handler, queue, priority, dict(options))
+        with self._lock:
+            taken = self._by_event.setdefault(kind.name, [])
+            if any(other.name == name for other in taken):
+                raise RegistrationError(f"{where} is registered twice; give one of them another name=")
+            taken.append(listener)
+            if self._broker is not None:
+                _declare(listener, self._broker)
+        return listener
+
+    def listener(self, event_cls: type[Any], **options: Any) -> Callable[[F], F]:
+        """Decorator form of :meth:`listen`; the function itself is returned unchanged."""
+
+        def decorate(handler: F) -> F:
+            self.listen(event_cls, handler, **options)
+            return handler
+
+        return decorate
+
+    def listeners(self, event_cls: type[Any] | None = None) -> tuple[Listener, ...]:
+        """The listeners of ``event_cls``, or all of them."""
+        with self._lock:
+            if event_cls is not None:
+                return tuple(self._by_event.get(event_type(event_cls).name, ()))
+            return tuple(listener for group in self._by_event.values() for listener in group)
+
+    def bind(self, broker: Broker) -> None:
+        """Declare every listener as an actor on ``broker``, and later ones as they come."""
+        with self._lock:
+            self._broker = broker
+            for group in self._by_event.values():
+                for listener in group:
+                    if listener.actor_name not in broker.actors:
+                        _declare(listener, broker)
+
+    def fan_out(self, event: object, envelope_id: str) -> list[Message[Any]]:
+        """One message per listener of ``event``, with ids derived from ``envelope_id``.
+
+        Raises:
+            EventError: ``event`` is not an event.
+            EventEncodeError: its payload cannot be encoded.
+        """
+        kind = event_type(event)
+        envelope = {"id": envelope_id, "event": kind.name, "data": kind.encode(event)}
+        return [
+            Message(
+                queue_name=listener.queue,
+                actor_name=listener.actor_name,
+                args=(envelope,),
+                kwargs={},
+                options={},
+                message_id=fan_out_id(envelope_id, listener.actor_name),
+            )
+            for listener in self._by_event.get(kind.name, ())
+        ]
+
+
+def _check_handler(where: str, handler: object) -> None:
+    if not callable(handler):
+        raise RegistrationError(f"{where}: handler {handler!r} is not callable")
+    if inspect.iscoroutinefunction(handler):
+        raise RegistrationError(f"{where}: async handlers are not supported; use a plain function")
+    try:
+        inspect.signature(handler).bind(object())
+    except TypeError as exc:
+        raise RegistrationError(
+            f"{where}: the handler must take the event as its one argument ({exc})"
+        ) from None
+    except ValueError:  # builtins without a signature
+        pass
+
+
+def _declare(listener: Listener, broker: Broker) -> None:
+    unknown = set(listener.options) - broker.actor_options
+    if unknown:
+        raise RegistrationError(
+            f"listener {listener.actor_name!r}: unknown option(s) {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(sorted(broker.actor_options))}"
+        )
+    decode, handler = listener.event.decode, listener.handler
+
+    def run(envelope: dict[str, Any]) -> None:
+        handler(decode(envelope["data"]))
+
+    run.__module__ = getattr(handler, "__module__", None) or __name__
+    run.__name__ = run.__qualname__ = listener.name
+    Actor(
+        run,
+        broker=broker,
+        actor_name=listener.actor_name,
+        queue_name=listener.queue,
+        priority=listener.priority,
+        options={"idempotent": True, **listener.options},
+    )
+
+
+#: The registry module-level ``@dramatiq_gp.listener`` functions join; a Kit uses it unless given another.
+default_registry = Registry()
+
+
+def listener(event_cls: type[Any], **options: Any) -> Callable[[F], F]:
+    """Register a module-level function as a listener of ``event_cls`` (see :meth:`Registry.listen`)."""
+    return default_registry.listener(event_cls, **options)

@@ -1,0 +1,231 @@
+"""Configuration from environment variables, one group per prefix (SPEC section 7).
+
+Each group is a pydantic-settings class. Nothing reads the environment at import
+time: :meth:`Settings.from_env` does, and turns validation failures into one
+:class:`~dramatiq_gp.errors.ConfigError` that names every bad variable and its
+value, with secrets redacted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Annotated, Any, TypeVar
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .durations import parse_duration
+from .errors import ConfigError
+
+#: Dramatiq's own rule for queue names.
+QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+
+
+def parse_queues(value: object) -> dict[str, int] | None:
+    """Parse ``default:3,mail:1`` into ``{"default": 3, "mail": 1}``; a bare name weighs 1."""
+    if value is None or isinstance(value, dict):
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected name:weight pairs separated by commas, e.g. default:3,mail:1")
+    queues: dict[str, int] = {}
+    for item in value.split(","):
+        name, sep, weight_text = (part.strip() for part in item.partition(":"))
+        if not QUEUE_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a queue name (letters, digits, '.', '_', '-')")
+        if name in queues:
+            raise ValueError(f"queue {name!r} is listed twice")
+        if sep and not (weight_text.isdigit() and int(weight_text) >= 1):
+            raise ValueError(f"queue {name!r} has weight {weight_text!r}; a weight is a whole number >= 1")
+        queues[name] = int(weight_text) if sep else 1
+    return queues
+
+
+def _log_level(value: object) -> str:
+    level = str(value).strip().upper()
+    level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(level, level)
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("expected one of DEBUG, INFO, WARN, ERROR")
+    return level
+
+
+def redact_url(url: str) -> str:
+    """``redis://user:secret@host/0`` -> ``redis://user:***@host/0``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+class WorkerSettings(BaseSettings):
+    """``WORKER_*``: how the worker consumes, retries and shuts down."""
+
+    model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore")
+
+    #: Queues to consume as ``name:weight`` pairs; unset means every declared queue.
+    queues: Annotated[dict[str, int] | None, NoDecode, BeforeValidator(parse_queues)] = None
+    strict_priority: bool = False
+    #: How long in-flight tasks may run on after SIGTERM; unset means the dramatiq
+    #: CLI's ``--worker-shutdown-timeout``.
+    shutdown_timeout: Duration | None = None
+    max_retries: int = Field(default=25, ge=0)
+    min_backoff: Duration = timedelta(seconds=15)
+    #: Caps each retry's delay, so 25 retries span about two days, not two months.
+    max_backoff: Duration = timedelta(hours=4)
+    #: How long a completed message id is remembered, so a duplicate is skipped.
+    dedup_retention: Duration = timedelta(hours=24)
+    #: How long messages for a task type nobody here handles are held (a newer
+    #: worker may know it) before they are skipped.
+    unknown_task_grace: Duration = timedelta(minutes=5)
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> WorkerSettings:
+        if self.max_backoff < self.min_backoff:
+            raise ValueError("WORKER_MAX_BACKOFF must not be shorter than WORKER_MIN_BACKOFF")
+        if self.max_backoff > timedelta(days=7):
+            raise ValueError("WORKER_MAX_BACKOFF must be at most 7d (Dramatiq's longest delay)")
+        return self
+
+
+class QueueSettings(BaseSettings):
+    """``VALKEY_*`` (or ``REDIS_URL``): the Redis/Valkey server the queues live on."""
+
+    model_config = SettingsConfigDict(env_prefix="VALKEY_", extra="ignore", populate_by_name=True)
+
+    addr: str = "127.0.0.1:6379"
+    username: str | None = None
+    password: SecretStr | None = None
+    db: int = Field(default=0, ge=0)
+    tls: bool = False
+    tls_ca_file: str | None = None
+    #: Skip TLS certificate verification (never in production).
+    tls_insecure: bool = False
+    #: A full URL instead of the parts above: ``redis://``, ``rediss://``, ``unix://``, ``valkey://``.
+    url: SecretStr | None = Field(default=None, validation_alias="REDIS_URL")
+
+    @model_validator(mode="after")
+    def _one_address(self) -> QueueSettings:
+        if self.url is not None:
+            if "addr" in self.model_fields_set:
+                raise ValueError("set either REDIS_URL or VALKEY_ADDR, not both")
+            scheme = urlsplit(self.url.get_secret_value()).scheme
+            if scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
+                raise ValueError(
+                    f"REDIS_URL={redact_url(self.url.get_secret_value())!r} has scheme {scheme!r}; "
+                    "expected redis://, rediss://, unix:// or valkey://"
+                )
+        else:
+            host, sep, port = self.addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"VALKEY_ADDR={self.addr!r} is not host:port")
+        return self
+
+    def connection_url(self) -> str:
+        """The URL to connect with, password included: never log it, use :meth:`display`."""
+        if self.url is not None:
+            url = self.url.get_secret_value()
+            for old, new in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
+                if url.startswith(old):
+                    url = new + url[len(old) :]
+            return url
+        scheme = "rediss" if self.tls else "redis"
+        auth = ""
+        if self.username or self.password:
+            password = self.password.get_secret_value() if self.password else ""
+            auth = f"{quote(self.username or '', safe='')}:{quote(password, safe='')}@"
+        return f"{scheme}://{auth}{self.addr}/{self.db}"
+
+    def display(self) -> str:
+        """Where we connect, safe for logs: the URL with the password replaced by ``***``."""
+        return redact_url(self.connection_url())
+
+    def client_options(self) -> dict[str, Any]:
+        """TLS options for :func:`redis.Redis.from_url` that a URL cannot carry."""
+        options: dict[str, Any] = {}
+        if self.connection_url().startswith("rediss://"):
+            if self.tls_ca_file:
+                options["ssl_ca_certs"] = self.tls_ca_file
+            if self.tls_insecure:
+                options["ssl_cert_reqs"] = "none"
+        return options
+
+
+class LogSettings(BaseSettings):
+    """``LOG_*``: log level (JSON output and trace correlation come with telemetry)."""
+
+    model_config = SettingsConfigDict(env_prefix="LOG_", extra="ignore")
+
+    level: Annotated[str, BeforeValidator(_log_level)] = "INFO"
+
+    @property
+    def level_number(self) -> int:
+        return logging.getLevelNamesMapping()[self.level]
+
+    @property
+    def level_was_set(self) -> bool:
+        """Whether ``LOG_LEVEL`` was given, so the CLI's ``-v`` is not overridden by a default."""
+        return "level" in self.model_fields_set
+
+
+G = TypeVar("G", bound=BaseSettings)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every group the worker reads. Later capabilities add their groups here."""
+
+    worker: WorkerSettings = field(default_factory=lambda: WorkerSettings())
+    queue: QueueSettings = field(default_factory=lambda: QueueSettings())
+    log: LogSettings = field(default_factory=lambda: LogSettings())
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """Read every group from the environment.
+
+        Raises:
+            ConfigError: naming each invalid variable and its (redacted) value.
+        """
+        problems: list[str] = []
+
+        def load(group: type[G]) -> G | None:
+            try:
+                return group()
+            except ValidationError as exc:
+                problems.extend(_describe(group, exc))
+                return None
+
+        worker, queue, log = load(WorkerSettings), load(QueueSettings), load(LogSettings)
+        if problems or worker is None or queue is None or log is None:
+            raise ConfigError("invalid configuration: " + "; ".join(problems))
+        return cls(worker=worker, queue=queue, log=log)
+
+
+def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:
+    prefix = group.model_config.get("env_prefix") or ""
+    lines = []
+    for error in exc.errors():
+        reason = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:
+            lines.append(reason)
+            continue
+        name = str(error["loc"][0])
+        info = group.model_fields.get(name)
+        if info is None:  # reported under its alias
+            info = next((f for f in group.model_fields.values() if f.validation_alias == name), None)
+            env = name
+        else:
+            env = info.validation_alias if isinstance(info.validation_alias, str) else prefix + name
+        value = error.get("input")
+        if info is not None and info.annotation is not None and "SecretStr" in str(info.annotation):
+            shown = redact_url(str(value)) if "://" in str(value) else "***"
+        else:
+            shown = str(value)
+        lines.append(f"{env.upper()}={shown!r}: {reason}")
+    return lines
