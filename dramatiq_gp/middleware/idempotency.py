@@ -56,7 +56,7 @@ end
 
 _CLAIMED, _DONE, _RUNNING = 1, 2, 3
 
-#: Bounds on how long a deferred copy waits before looking again.
+#: A deferred copy looks again after 1 s, 2 s, 4 s... up to 30 s.
 MIN_DEFER_MS, MAX_DEFER_MS = 1000, 30_000
 
 
@@ -126,12 +126,15 @@ class IdempotentExecution(Middleware):
                 message.actor_name, message.message_id,
             )  # fmt: skip
         else:
-            delay_ms = max(MIN_DEFER_MS, min(int(pttl), MAX_DEFER_MS))
+            # Look again soon (the holder may be nearly done), then less and less often.
+            deferrals = message.options.get("gp_deferrals", 0)
+            delay_ms = min(MIN_DEFER_MS * 2 ** min(deferrals, 5), MAX_DEFER_MS, max(int(pttl), MIN_DEFER_MS))
             self.logger.info(
                 "task deferred: another copy is running task_type=%s task_id=%s retry_in_ms=%d",
                 message.actor_name, message.message_id, delay_ms,
             )  # fmt: skip
-            attach_settlement(message, Settlement(redeliver=message.copy(), delay_ms=delay_ms))
+            redeliver = message.copy(options={"gp_deferrals": deferrals + 1})
+            attach_settlement(message, Settlement(redeliver=redeliver, delay_ms=delay_ms))
         raise SkipMessage()
 
     def after_process_message(

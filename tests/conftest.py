@@ -1,0 +1,107 @@
+"""Fixtures: real Redis (and PostgreSQL) for the whole session, a fresh key namespace per test.
+
+The servers come from :mod:`devtools.services`: the configured or local ones if
+they answer, embedded ones otherwise. Tests never skip for lack of a server.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from devtools.services import services  # noqa: E402
+
+import dramatiq_gp as gp  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def service_env() -> Iterator[dict[str, str]]:
+    with services() as env:
+        os.environ.update(env)
+        yield env
+
+
+@pytest.fixture(scope="session")
+def redis_url(service_env: dict[str, str]) -> str:
+    return service_env["REDIS_URL"]
+
+
+@pytest.fixture(scope="session")
+def database_url(service_env: dict[str, str]) -> str:
+    return service_env["DB_URL"]
+
+
+@pytest.fixture
+def rdb(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def namespace(rdb: redis.Redis) -> Iterator[str]:
+    """A key prefix of this test's own, deleted afterwards."""
+    ns = f"gpt-{uuid.uuid4().hex[:10]}"
+    yield ns
+    keys = list(rdb.scan_iter(f"{ns}:*", count=1000))
+    if keys:
+        rdb.delete(*keys)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> pytest.MonkeyPatch:
+    """An environment with no kit variables but REDIS_URL."""
+    for name in list(os.environ):
+        if name.startswith(("WORKER_", "VALKEY_", "LOG_", "SCHEDULER_", "OUTBOX_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    return monkeypatch
+
+
+MakeKit = Callable[..., gp.Kit]
+
+
+@pytest.fixture
+def make_kit(clean_env: pytest.MonkeyPatch, namespace: str) -> Iterator[MakeKit]:
+    """Build Kits on this test's namespace, with a fresh registry and ``env`` applied."""
+    kits: list[gp.Kit] = []
+
+    def make(register: gp.RegisterFunc | None = None, env: dict[str, str] | None = None, **kwargs: Any) -> gp.Kit:
+        for name, value in (env or {}).items():
+            clean_env.setenv(name, value)
+        kwargs.setdefault("registry", gp.Registry())
+        kwargs.setdefault("broker_options", {"namespace": namespace})
+        kit = gp.Kit(register, **kwargs)
+        kits.append(kit)
+        return kit
+
+    yield make
+    for kit in kits:
+        kit.broker.client.close()
+
+
+@pytest.fixture
+def start_worker() -> Iterator[Callable[..., dramatiq.Worker]]:
+    """Start a programmatic Dramatiq worker the way the CLI does (process_boot first)."""
+    with ExitStack() as stack:
+
+        def start(kit: gp.Kit, threads: int = 4, **kwargs: Any) -> dramatiq.Worker:
+            kit.broker.emit_after("process_boot")
+            worker = dramatiq.Worker(kit.broker, worker_threads=threads, worker_timeout=100, **kwargs)
+            worker.start()
+            stack.callback(worker.stop, 10_000)
+            return worker
+
+        yield start

@@ -1,0 +1,133 @@
+"""Dispatch fans an event out to every listener, each its own message on its own queue."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from helpers import wait_for
+
+import dramatiq_gp as gp
+
+
+@gp.event("test.fanout.order_placed")
+@dataclass(frozen=True)
+class OrderPlaced:
+    order_id: int
+    total: Decimal
+    placed_at: datetime
+
+
+@gp.event("test.fanout.anything")
+@dataclass(frozen=True)
+class Anything:
+    value: Any
+
+
+@gp.event("test.fanout.nobody_listens")
+@dataclass(frozen=True)
+class NobodyListens:
+    n: int
+
+
+ORDER = OrderPlaced(7, Decimal("19.90"), datetime(2026, 11, 29, 10, 0, tzinfo=UTC))
+
+
+def test_dispatch_fans_out_to_every_listener_each_on_its_own_queue(make_kit, start_worker, rdb, namespace):
+    seen: dict[str, list[OrderPlaced]] = defaultdict(list)
+
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        for queue in ("billing", "mail", "stock"):
+            registry.listen(OrderPlaced, lambda event, q=queue: seen[q].append(event), name=f"to_{queue}", queue=queue)
+
+    kit = make_kit(register)
+    envelope_id = kit.dispatch(ORDER)
+
+    expected_ids = {m.actor_name: m.message_id for m in kit.registry.fan_out(ORDER, envelope_id)}
+    for queue in ("billing", "mail", "stock"):
+        (stored,) = [json.loads(v) for v in rdb.hvals(f"{namespace}:{queue}.msgs")]
+        assert stored["actor_name"] == f"listener:test.fanout.order_placed:to_{queue}"
+        assert stored["message_id"] == expected_ids[stored["actor_name"]]
+        assert stored["args"][0]["id"] == envelope_id
+
+    start_worker(kit)
+    wait_for(lambda: all(len(seen[q]) == 1 for q in ("billing", "mail", "stock")))
+    assert {q: events for q, events in seen.items()} == {q: [ORDER] for q in ("billing", "mail", "stock")}
+
+
+def test_fan_out_ids_are_deterministic_per_envelope_and_listener(make_kit):
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        registry.listen(OrderPlaced, lambda e: None, name="a")
+        registry.listen(OrderPlaced, lambda e: None, name="b")
+
+    kit = make_kit(register)
+    first = [m.message_id for m in kit.registry.fan_out(ORDER, "envelope-1")]
+    again = [m.message_id for m in kit.registry.fan_out(ORDER, "envelope-1")]
+    other = [m.message_id for m in kit.registry.fan_out(ORDER, "envelope-2")]
+    assert first == again
+    assert len(set(first)) == 2
+    assert not set(first) & set(other)
+
+
+def test_a_failing_listener_is_retried_alone(make_kit, start_worker):
+    calls: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def flaky(event: OrderPlaced) -> None:
+        with lock:
+            calls["flaky"] += 1
+            if calls["flaky"] == 1:
+                raise RuntimeError("transient")
+
+    def steady(event: OrderPlaced) -> None:
+        with lock:
+            calls["steady"] += 1
+
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        registry.listen(OrderPlaced, flaky)
+        registry.listen(OrderPlaced, steady, queue="other")
+
+    kit = make_kit(register, env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"})
+    kit.dispatch(ORDER)
+    start_worker(kit)
+    wait_for(lambda: calls["flaky"] == 2)
+    time.sleep(0.3)
+    assert calls == {"flaky": 2, "steady": 1}
+
+
+def test_an_event_that_cannot_be_encoded_is_rejected_and_nothing_is_sent(make_kit, rdb, namespace):
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        registry.listen(Anything, lambda e: None, name="one")
+        registry.listen(Anything, lambda e: None, name="two", queue="two")
+
+    kit = make_kit(register)
+    with pytest.raises(gp.EventEncodeError, match=r"test\.fanout\.anything"):
+        kit.dispatch(Anything(object()))
+    assert list(rdb.scan_iter(f"{namespace}:*")) == []
+
+
+def test_dispatching_a_plain_object_names_the_problem(make_kit):
+    kit = make_kit()
+    with pytest.raises(gp.EventError, match="not an event type"):
+        kit.dispatch({"order_id": 1})
+
+
+def test_an_event_nobody_listens_to_sends_nothing(make_kit, rdb, namespace):
+    kit = make_kit()
+    assert kit.dispatch(NobodyListens(1))
+    assert list(rdb.scan_iter(f"{namespace}:*")) == []
+
+
+def test_module_level_dispatch_uses_the_current_kit(make_kit, start_worker):
+    seen: list[OrderPlaced] = []
+    kit = make_kit(lambda registry, schedule: registry.listen(OrderPlaced, seen.append, name="collect"))
+    gp.dispatch(ORDER)
+    start_worker(kit)
+    wait_for(lambda: seen == [ORDER])

@@ -1,0 +1,139 @@
+"""Duplicates of one message id run once, never overlap, and retries still run."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from helpers import messages_of, wait_for
+
+import dramatiq_gp as gp
+
+
+@gp.event("test.idem.ping")
+@dataclass(frozen=True)
+class Ping:
+    n: int
+
+
+def _kit_with(make_kit, handler, env=None, **options):
+    return make_kit(lambda registry, schedule: registry.listen(Ping, handler, name="handler", **options), env=env)
+
+
+def test_a_duplicate_of_a_completed_message_is_skipped_with_one_warning(make_kit, start_worker, caplog):
+    runs: list[int] = []
+    kit = _kit_with(make_kit, lambda event: runs.append(event.n))
+    start_worker(kit)
+    kit.dispatch(Ping(1), envelope_id="env-1")
+    wait_for(lambda: runs == [1])
+
+    caplog.set_level(logging.INFO)
+    kit.dispatch(Ping(1), envelope_id="env-1")
+    wait_for(lambda: messages_of(caplog, "dramatiq_gp", logging.WARNING))
+    time.sleep(0.2)
+    assert runs == [1]
+    warnings = messages_of(caplog, "", logging.WARNING)
+    assert len(warnings) == 1, warnings
+    assert "already completed" in warnings[0]
+    assert "listener:test.idem.ping:handler" in warnings[0]
+
+
+def test_two_concurrent_copies_of_one_id_never_overlap(make_kit, start_worker, rdb, namespace):
+    spans: list[tuple[float, float]] = []
+
+    def slow(event: Ping) -> None:
+        started = time.monotonic()
+        time.sleep(0.5)
+        spans.append((started, time.monotonic()))
+
+    kit = _kit_with(make_kit, slow)
+    kit.dispatch(Ping(1), envelope_id="env-same")
+    kit.dispatch(Ping(1), envelope_id="env-same")
+    assert rdb.llen(f"{namespace}:default") == 2
+    start_worker(kit, threads=4)
+    # The second copy is deferred while the first runs, then skipped as done.
+    wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") == 0 and rdb.hlen(f"{namespace}:default.DQ.msgs") == 0, 15)
+    time.sleep(0.2)
+    assert len(spans) == 1
+
+
+def test_a_retry_of_the_same_id_still_runs(make_kit, start_worker):
+    attempts: list[int] = []
+
+    def fails_once(event: Ping) -> None:
+        attempts.append(event.n)
+        if len(attempts) == 1:
+            raise RuntimeError("first attempt fails")
+
+    kit = _kit_with(make_kit, fails_once, env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"})
+    kit.dispatch(Ping(5))
+    start_worker(kit)
+    wait_for(lambda: len(attempts) == 2)
+    time.sleep(0.2)
+    assert attempts == [5, 5]
+
+
+def test_completion_is_remembered_for_the_retention_window_and_claims_are_released(
+    make_kit, start_worker, rdb, namespace
+):
+    done = threading.Event()
+    kit = _kit_with(make_kit, lambda event: done.set(), env={"WORKER_DEDUP_RETENTION": "2h"})
+    envelope_id = kit.dispatch(Ping(1))
+    start_worker(kit)
+    done.wait(5)
+    (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(1), envelope_id)]
+    key = f"{namespace}:gp:done:{message_id}"
+    wait_for(lambda: rdb.get(key) == "done")
+    assert 2 * 3600 * 1000 - 60_000 < rdb.pttl(key) <= 2 * 3600 * 1000
+
+
+def test_a_failed_attempt_releases_its_claim(make_kit, start_worker, rdb, namespace):
+    def always_fails(event: Ping) -> None:
+        raise RuntimeError("no")
+
+    kit = _kit_with(make_kit, always_fails, max_retries=0)
+    envelope_id = kit.dispatch(Ping(1))
+    start_worker(kit)
+    wait_for(lambda: rdb.zcard(f"{namespace}:default.XQ") == 1)
+    (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(1), envelope_id)]
+    assert rdb.exists(f"{namespace}:gp:done:{message_id}") == 0
+
+
+def test_a_long_task_keeps_its_claim_past_the_lease(make_kit, start_worker, rdb, namespace):
+    runs: list[float] = []
+
+    def slow(event: Ping) -> None:
+        runs.append(time.monotonic())
+        time.sleep(1.2)
+
+    kit = _kit_with(make_kit, slow)
+    idem = next(m for m in kit.broker.middleware if isinstance(m, gp.IdempotentExecution))
+    idem.lease_ms = 300  # renewed every 100 ms
+    kit.dispatch(Ping(1), envelope_id="long")
+    start_worker(kit, threads=4)
+    wait_for(lambda: runs)
+    time.sleep(0.6)  # twice the lease: only renewal keeps the claim alive now
+    kit.dispatch(Ping(1), envelope_id="long")
+    wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") == 0 and rdb.hlen(f"{namespace}:default.DQ.msgs") == 0, 15)
+    time.sleep(0.3)
+    assert len(runs) == 1
+
+
+def test_plain_actors_are_not_checked(make_kit, start_worker, rdb, namespace):
+    import dramatiq
+
+    kit = make_kit()
+    runs: list[int] = []
+
+    @dramatiq.actor(broker=kit.broker, queue_name="plain")
+    def plain(n: int) -> None:
+        runs.append(n)
+
+    message = plain.message(1)
+    kit.broker.enqueue(message)
+    kit.broker.enqueue(message)
+    start_worker(kit)
+    wait_for(lambda: len(runs) == 2)
+    assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
