@@ -1,0 +1,80 @@
+"""Per-task log lines: started, done, failed, through stdlib logging."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from helpers import wait_for
+
+import dramatiq_gp as gp
+
+
+@gp.event("test.tasklog.job")
+@dataclass(frozen=True)
+class Job:
+    fail: bool
+
+
+def _records(caplog, logger="dramatiq_gp.tasks"):
+    return [r for r in caplog.records if r.name == logger]
+
+
+def _failing_after(n: int):
+    calls: list[int] = []
+
+    def handler(event: Job) -> None:
+        calls.append(1)
+        if event.fail and len(calls) <= n:
+            raise RuntimeError("boom")
+
+    return handler, calls
+
+
+def test_a_task_logs_started_and_done_with_its_fields(make_kit, start_worker, caplog):
+    caplog.set_level(logging.INFO)
+    kit = make_kit(lambda registry, schedule: registry.listen(Job, lambda e: None, name="ok"))
+    start_worker(kit)
+    envelope_id = kit.dispatch(Job(fail=False))
+    wait_for(lambda: len(_records(caplog)) == 2)
+    started, done = _records(caplog)
+    (task_id,) = [m.message_id for m in kit.registry.fan_out(Job(False), envelope_id)]
+    assert started.levelno == logging.INFO
+    assert started.getMessage() == f"task started task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1"
+    assert (started.task_type, started.task_id, started.attempt) == ("listener:test.tasklog.job:ok", task_id, 1)
+    assert done.getMessage().startswith(f"task done task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1")
+    assert done.duration_ms >= 0
+
+
+def test_failures_log_an_error_saying_whether_they_will_be_retried(make_kit, start_worker, caplog):
+    caplog.set_level(logging.INFO)
+    handler, calls = _failing_after(10)
+    kit = make_kit(
+        lambda registry, schedule: registry.listen(Job, handler, name="bad", max_retries=1),
+        env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"},
+    )
+    start_worker(kit)
+    kit.dispatch(Job(fail=True))
+    wait_for(lambda: len([r for r in _records(caplog) if r.levelno == logging.ERROR]) == 2)
+    first, last = [r for r in _records(caplog) if r.levelno == logging.ERROR]
+    assert (first.attempt, first.will_retry, first.error) == (1, True, "RuntimeError: boom")
+    assert (last.attempt, last.will_retry) == (2, False)
+    assert "will_retry=False error=RuntimeError: boom" in last.getMessage()
+    assert last.exc_info is not None and last.exc_info[0] is RuntimeError
+    # Dramatiq's own per-attempt error line is replaced by ours, not doubled.
+    assert not [r for r in caplog.records if r.getMessage().startswith("Failed to process message")]
+
+
+def test_log_level_warn_silences_the_per_task_info_lines(make_kit, start_worker, caplog):
+    caplog.set_level(logging.INFO)
+    handler, calls = _failing_after(1)
+    kit = make_kit(
+        lambda registry, schedule: registry.listen(Job, handler, name="quiet"),
+        env={"LOG_LEVEL": "WARN", "WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"},
+    )
+    start_worker(kit)
+    kit.dispatch(Job(fail=True))
+    wait_for(lambda: len(calls) == 2)
+    wait_for(lambda: not kit.broker.client.hlen(f"{kit.broker.namespace}:default.msgs"))
+    levels = [r.levelno for r in _records(caplog)]
+    assert levels == [logging.ERROR]
