@@ -1,0 +1,13 @@
+"""Events shared by the test apps and the tests that drive them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dramatiq_gp as gp
+
+
+@gp.event("test.app.slow")
+@dataclass(frozen=True)
+class Slow:
+    seconds: float

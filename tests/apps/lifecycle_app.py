@@ -1,0 +1,42 @@
+"""A worker app for the CLI tests: a slow listener and closers that write what happens to a file.
+
+Run as ``dramatiq tests.apps.lifecycle_app`` with ``GP_TEST_TRACE`` (a file) and
+``GP_TEST_NAMESPACE`` (the Redis key prefix) set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from tests.apps.app_events import Slow
+
+import dramatiq_gp as gp
+
+
+def trace(line: str) -> None:
+    with open(os.environ["GP_TEST_TRACE"], "a") as file:
+        file.write(line + "\n")
+
+
+def slow_listener(event: Slow) -> None:
+    trace("listener started")
+    time.sleep(event.seconds)
+    trace("listener finished")
+
+
+def broken_closer() -> None:
+    raise RuntimeError("this closer fails")
+
+
+kit = (
+    gp.Kit(
+        lambda registry, schedule: registry.listen(Slow, slow_listener, name="slow"),
+        registry=gp.Registry(),
+        broker_options={"namespace": os.environ["GP_TEST_NAMESPACE"]},
+    )
+    .with_closer("first", lambda: trace("closer first"))
+    .with_closer("second", lambda: trace("closer second"))
+    .with_closer("broken", broken_closer)
+)
+broker = kit.broker

@@ -1,0 +1,134 @@
+"""Start-up and shutdown order, checked on a real ``dramatiq`` command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from apps.app_events import Slow
+from helpers import wait_for
+
+import dramatiq_gp as gp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Dramatiq:
+    """A ``dramatiq tests.apps.lifecycle_app`` process whose log and trace we can read."""
+
+    def __init__(self, tmp_path: Path, namespace: str, env: dict[str, str], processes: int = 1) -> None:
+        self.trace_file = tmp_path / "trace.txt"
+        self.log_file = tmp_path / "log.txt"
+        self.trace_file.touch()
+        full_env = {**os.environ, "GP_TEST_TRACE": str(self.trace_file), "GP_TEST_NAMESPACE": namespace, **env}
+        command = [sys.executable, "-m", "dramatiq", "tests.apps.lifecycle_app", "-p", str(processes), "-t", "2"]
+        with open(self.log_file, "w") as log:
+            self.process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+
+    @property
+    def log(self) -> str:
+        return self.log_file.read_text()
+
+    @property
+    def trace(self) -> list[str]:
+        return self.trace_file.read_text().splitlines()
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def run_dramatiq(tmp_path: Path, namespace: str, clean_env) -> Iterator:
+    started: list[Dramatiq] = []
+
+    def run(env: dict[str, str] | None = None, processes: int = 1) -> Dramatiq:
+        started.append(Dramatiq(tmp_path, namespace, env or {}, processes))
+        return started[-1]
+
+    yield run
+    for process in started:
+        process.kill()
+
+
+def _in_order(text: str, *fragments: str) -> None:
+    positions = [text.find(fragment) for fragment in fragments]
+    assert all(p >= 0 for p in positions), [f for f, p in zip(fragments, positions, strict=True) if p < 0]
+    assert positions == sorted(positions), list(zip(fragments, positions, strict=True))
+
+
+def _producer(make_kit) -> gp.Kit:
+    return make_kit(lambda registry, schedule: registry.listen(Slow, lambda e: None, name="slow"))
+
+
+def test_sigterm_drains_the_running_listener_then_runs_closers_lifo(run_dramatiq, make_kit):
+    worker = run_dramatiq()
+    wait_for(lambda: "start-up: consumers started" in worker.log, timeout=30)
+    _producer(make_kit).dispatch(Slow(1.5))
+    wait_for(lambda: worker.trace == ["listener started"])
+
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    assert worker.trace == ["listener started", "listener finished", "closer second", "closer first"]
+    _in_order(
+        worker.log,
+        "start-up: telemetry ready",
+        "start-up: registered 1 listener(s) for 1 event type(s), 0 schedule entries",
+        "start-up: broker reachable at redis",
+        "start-up: consumers started on default with 2 threads",
+        "task started task_type=listener:test.app.slow:slow",
+        "shutdown: stopping producers",
+        "shutdown: draining in-flight tasks (up to 10m)",
+        "task done task_type=listener:test.app.slow:slow",
+        "shutdown: in-flight tasks drained",
+        "shutdown: running closers",
+        "shutdown: closed queue client",
+        "closer 'broken' failed; running the rest",
+        "shutdown: closed second",
+        "shutdown: closed first",
+        "shutdown: flushing telemetry",
+    )
+    for step in ("start-up: broker reachable", "shutdown: stopping producers", "shutdown: running closers"):
+        assert worker.log.count(step) == 1, step
+
+
+def test_what_outlives_the_shutdown_timeout_goes_back_to_its_queue(run_dramatiq, make_kit, rdb, namespace):
+    worker = run_dramatiq({"WORKER_SHUTDOWN_TIMEOUT": "500ms"})
+    wait_for(lambda: "start-up: consumers started" in worker.log, timeout=30)
+    _producer(make_kit).dispatch(Slow(30))
+    wait_for(lambda: worker.trace == ["listener started"])
+
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    assert worker.trace == ["listener started", "closer second", "closer first"]
+    assert "shutdown: draining in-flight tasks (up to 500ms)" in worker.log
+    assert "1 task(s) still running at the drain timeout went back to their queues" in worker.log
+    # Back on the queue at once, not after the 60 s heartbeat timeout, and its claim freed.
+    assert rdb.llen(f"{namespace}:default") == 1
+    assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
+
+
+def test_redis_down_at_start_up_exits_non_zero_with_one_line_naming_the_address(run_dramatiq):
+    worker = run_dramatiq({"REDIS_URL": "redis://127.0.0.1:1/0"}, processes=2)
+    code = worker.wait(60)
+    assert code == 3
+    failures = [line for line in worker.log.splitlines() if "start-up failed" in line]
+    # One line per worker process that got that far (the CLI stops the others once one exits).
+    assert 1 <= len(failures) <= 2
+    assert "Redis/Valkey unreachable at redis://127.0.0.1:1/0" in failures[0]
+    assert "Traceback" not in worker.log
+
+
+def test_an_invalid_variable_stops_start_up_naming_it(run_dramatiq):
+    worker = run_dramatiq({"WORKER_QUEUES": "default:lots"})
+    assert worker.wait(60) != 0
+    assert "WORKER_QUEUES='default:lots'" in worker.log
