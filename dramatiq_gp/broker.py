@@ -6,6 +6,8 @@
   the kit has to record with it: the idempotency outcome and, for a deferred
   message, its delayed copy. So "acked" always implies "recorded", and a deferral
   can never lose the message.
+* Each fetched batch is decoded at once and handed to :attr:`Broker.on_fetch`,
+  so the idempotency claims of a batch take one round trip.
 * A message for a task type no actor here handles is held back for a grace
   period (a newer worker may know it), then acked and skipped with one warning,
   instead of Dramatiq's dead-lettering.
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
@@ -26,8 +30,8 @@ import redis
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
-from dramatiq.common import current_millis, dq_name, q_name
-from dramatiq.errors import ConnectionClosed
+from dramatiq.common import compute_backoff, current_millis, dq_name, q_name
+from dramatiq.errors import ConnectionClosed, DecodeError
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,8 @@ class Broker(RedisBroker):
     def __init__(self, *, unknown_task_grace_ms: int = 300_000, **options: Any) -> None:
         super().__init__(**options)  # type: ignore[no-untyped-call]
         self.unknown_task_grace_ms = unknown_task_grace_ms
+        #: Called in the consumer thread with each fetched batch before worker threads see it.
+        self.on_fetch: Callable[[Broker, list[MessageProxy]], None] | None = None
         self._settle = self.client.register_script(_SETTLE)
         self._warned_lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
@@ -204,21 +210,73 @@ class Broker(RedisBroker):
 
 
 class _Consumer(_RedisConsumer):
+    """Dramatiq's Redis consumer, reading a fetched batch at once.
+
+    Decoding the whole batch lets unknown task types be set aside before they
+    reach a worker thread, and hands the batch to :attr:`Broker.on_fetch` (the
+    idempotency claims) in one call rather than one Redis round trip per message.
+    """
+
     broker: Broker
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)  # type: ignore[no-untyped-call]
+        self._ready: deque[MessageProxy] = deque()
+
     def __next__(self) -> MessageProxy | None:
-        message: MessageProxy | None = super().__next__()  # type: ignore[no-untyped-call]
-        # Delayed messages are only parked here; they are checked when they come due.
-        if message is None or message.actor_name in self.broker.actors or self.queue_name.endswith(".DQ"):
-            return message
-        self.broker._hold_or_skip_unknown(self, message)
-        return None
+        try:
+            while not self._ready:
+                batch = []
+                if self.outstanding_message_count < self.prefetch:
+                    batch = self.broker.do_fetch(
+                        self.queue_name, self.prefetch - self.outstanding_message_count
+                    )
+                if not batch:
+                    # As Dramatiq does: poll less and less often while idle, up to the timeout.
+                    self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
+                    time.sleep(backoff_ms / 1000)
+                    return None
+                self.misses = 0
+                self._accept(batch)
+            return self._ready.popleft()
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+    def _accept(self, batch: list[bytes | None]) -> None:
+        delayed = self.queue_name.endswith(".DQ")
+        accepted = []
+        for data in batch:
+            if data is None:  # Dramatiq #266
+                continue
+            try:
+                message = MessageProxy(Message.decode(data))
+            except DecodeError:
+                logger.exception("cannot decode a message on queue %r; leaving it unacked", self.queue_name)
+                continue
+            self.queued_message_ids.add(message.message_id)
+            # Delayed messages are only parked here; they are checked when they come due.
+            if delayed or message.actor_name in self.broker.actors:
+                accepted.append(message)
+            else:
+                self.broker._hold_or_skip_unknown(self, message)
+        if accepted and not delayed and self.broker.on_fetch is not None:
+            self.broker.on_fetch(self.broker, accepted)
+        self._ready.extend(accepted)
 
     def ack(self, message: MessageProxy) -> None:
         self._post(message, "ack")
 
     def nack(self, message: MessageProxy) -> None:
         self._post(message, "nack")
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        plain = []
+        for message in messages:
+            if settlement(message) is None:
+                plain.append(message)
+            else:
+                self.broker.settle(self.queue_name, message, "requeue")
+        super().requeue(plain)  # type: ignore[no-untyped-call]
 
     def _post(self, message: MessageProxy, command: str) -> None:
         if settlement(message) is None:

@@ -152,11 +152,12 @@ class Kit:
         # Order matters: Dramatiq runs before-hooks in this order and after-hooks in
         # reverse, so the lifecycle sees everything first and last, a duplicate is
         # skipped before anything logs it, and the task log reads Retries' verdict.
+        idempotency = IdempotentExecution(
+            client=client, key_prefix=f"{namespace}:gp:done:", retention_ms=_ms(worker.dedup_retention)
+        )
         middleware: list[Middleware] = [
             lifecycle,
-            IdempotentExecution(
-                client=client, key_prefix=f"{namespace}:gp:done:", retention_ms=_ms(worker.dedup_retention)
-            ),
+            idempotency,
             TaskLog(),
             PanicRecovery(),
             AgeLimit(),
@@ -171,12 +172,14 @@ class Kit:
             ),
             *extra,
         ]
-        return Broker(
+        broker = Broker(
             client=client,
             middleware=middleware,
             unknown_task_grace_ms=_ms(worker.unknown_task_grace),
             **options,
         )
+        broker.on_fetch = idempotency.claim
+        return broker
 
 
 def current_kit() -> Kit:

@@ -21,9 +21,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from devtools.services import services  # noqa: E402
-
 import dramatiq_gp as gp  # noqa: E402
+from devtools.services import services  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +77,9 @@ def make_kit(clean_env: pytest.MonkeyPatch, namespace: str) -> Iterator[MakeKit]
     """Build Kits on this test's namespace, with a fresh registry and ``env`` applied."""
     kits: list[gp.Kit] = []
 
-    def make(register: gp.RegisterFunc | None = None, env: dict[str, str] | None = None, **kwargs: Any) -> gp.Kit:
+    def make(
+        register: gp.RegisterFunc | None = None, env: dict[str, str] | None = None, **kwargs: Any
+    ) -> gp.Kit:
         for name, value in (env or {}).items():
             clean_env.setenv(name, value)
         kwargs.setdefault("registry", gp.Registry())

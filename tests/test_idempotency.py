@@ -7,9 +7,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from helpers import messages_of, wait_for
-
 import dramatiq_gp as gp
+from helpers import messages_of, wait_for
 
 
 @gp.event("test.idem.ping")
@@ -19,7 +18,9 @@ class Ping:
 
 
 def _kit_with(make_kit, handler, env=None, **options):
-    return make_kit(lambda registry, schedule: registry.listen(Ping, handler, name="handler", **options), env=env)
+    return make_kit(
+        lambda registry, schedule: registry.listen(Ping, handler, name="handler", **options), env=env
+    )
 
 
 def test_a_duplicate_of_a_completed_message_is_skipped_with_one_warning(make_kit, start_worker, caplog):
@@ -54,7 +55,10 @@ def test_two_concurrent_copies_of_one_id_never_overlap(make_kit, start_worker, r
     assert rdb.llen(f"{namespace}:default") == 2
     start_worker(kit, threads=4)
     # The second copy is deferred while the first runs, then skipped as done.
-    wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") == 0 and rdb.hlen(f"{namespace}:default.DQ.msgs") == 0, 15)
+    wait_for(
+        lambda: rdb.hlen(f"{namespace}:default.msgs") == 0 and rdb.hlen(f"{namespace}:default.DQ.msgs") == 0,
+        15,
+    )
     time.sleep(0.2)
     assert len(spans) == 1
 
@@ -116,7 +120,10 @@ def test_a_long_task_keeps_its_claim_past_the_lease(make_kit, start_worker, rdb,
     wait_for(lambda: runs)
     time.sleep(0.6)  # twice the lease: only renewal keeps the claim alive now
     kit.dispatch(Ping(1), envelope_id="long")
-    wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") == 0 and rdb.hlen(f"{namespace}:default.DQ.msgs") == 0, 15)
+    wait_for(
+        lambda: rdb.hlen(f"{namespace}:default.msgs") == 0 and rdb.hlen(f"{namespace}:default.DQ.msgs") == 0,
+        15,
+    )
     time.sleep(0.3)
     assert len(runs) == 1
 
@@ -137,3 +144,37 @@ def test_plain_actors_are_not_checked(make_kit, start_worker, rdb, namespace):
     start_worker(kit)
     wait_for(lambda: len(runs) == 2)
     assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
+
+
+def test_messages_claimed_but_not_started_at_shutdown_are_requeued_with_their_claims_freed(
+    make_kit, rdb, namespace
+):
+    import dramatiq
+
+    started: list[int] = []
+
+    def slow(event: Ping) -> None:
+        started.append(event.n)
+        time.sleep(0.5)
+
+    kit = _kit_with(make_kit, slow)
+    for n in range(2):
+        kit.dispatch(Ping(n))
+    kit.broker.emit_after("process_boot")
+    worker = dramatiq.Worker(kit.broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    wait_for(lambda: started)
+    # Both were fetched and claimed in one batch (prefetch is twice the threads); one is running.
+    assert len(list(rdb.scan_iter(f"{namespace}:gp:done:*"))) == 2
+    worker.stop(5000)
+    assert len(started) == 1
+    assert rdb.llen(f"{namespace}:default") == 1
+    assert [rdb.get(k) for k in rdb.scan_iter(f"{namespace}:gp:done:*")] == ["done"]
+
+    again = dramatiq.Worker(kit.broker, worker_threads=2, worker_timeout=100)
+    again.start()
+    try:
+        wait_for(lambda: len(started) == 2, timeout=3)  # not deferred behind a stale claim
+    finally:
+        again.stop(5000)
+    assert sorted(started) == [0, 1]

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from apps.app_events import Slow
-from helpers import wait_for
 
 import dramatiq_gp as gp
+from apps.app_events import Slow
+from helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,10 +25,26 @@ class Dramatiq:
         self.trace_file = tmp_path / "trace.txt"
         self.log_file = tmp_path / "log.txt"
         self.trace_file.touch()
-        full_env = {**os.environ, "GP_TEST_TRACE": str(self.trace_file), "GP_TEST_NAMESPACE": namespace, **env}
-        command = [sys.executable, "-m", "dramatiq", "tests.apps.lifecycle_app", "-p", str(processes), "-t", "2"]
+        full_env = {
+            **os.environ,
+            "GP_TEST_TRACE": str(self.trace_file),
+            "GP_TEST_NAMESPACE": namespace,
+            **env,
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "dramatiq",
+            "tests.apps.lifecycle_app",
+            "-p",
+            str(processes),
+            "-t",
+            "2",
+        ]
         with open(self.log_file, "w") as log:
-            self.process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     @property
     def log(self) -> str:

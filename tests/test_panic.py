@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import dramatiq
 import pytest
-from helpers import wait_for
 
 import dramatiq_gp as gp
+from helpers import wait_for
 
 
 @gp.event("test.panic.boom")
@@ -97,7 +97,9 @@ def test_a_worker_thread_killed_outside_the_handler_is_replaced(make_kit, start_
 
     handled: list[str] = []
     kit = make_kit(
-        lambda registry, schedule: registry.listen(Boom, lambda event: handled.append(event.kind), name="victim"),
+        lambda registry, schedule: registry.listen(
+            Boom, lambda event: handled.append(event.kind), name="victim"
+        ),
         middleware=[KillsItsThread()],
     )
     previous_hook = threading.excepthook

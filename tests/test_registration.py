@@ -41,7 +41,7 @@ def test_payloads_round_trip_through_json():
 
 
 def test_a_field_of_the_wrong_type_is_an_encoding_error():
-    with pytest.raises(gp.EventEncodeError, match="test.reg.rich"):
+    with pytest.raises(gp.EventEncodeError, match=r"test\.reg\.rich"):
         gp.event_type(Rich).encode(Rich("not-a-uuid", datetime.now(UTC), Colour.RED, ()))  # type: ignore[arg-type]
 
 
@@ -52,7 +52,7 @@ def test_event_names_are_checked(name):
 
 
 def test_a_wire_name_belongs_to_one_class():
-    with pytest.raises(gp.EventError, match="already used by .*Rich"):
+    with pytest.raises(gp.EventError, match=r"already used by .*Rich"):
 
         @gp.event("test.reg.rich")
         @dataclass

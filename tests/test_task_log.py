@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from helpers import wait_for
-
 import dramatiq_gp as gp
+from helpers import wait_for
 
 
 @gp.event("test.tasklog.job")
@@ -40,15 +39,24 @@ def test_a_task_logs_started_and_done_with_its_fields(make_kit, start_worker, ca
     started, done = _records(caplog)
     (task_id,) = [m.message_id for m in kit.registry.fan_out(Job(False), envelope_id)]
     assert started.levelno == logging.INFO
-    assert started.getMessage() == f"task started task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1"
-    assert (started.task_type, started.task_id, started.attempt) == ("listener:test.tasklog.job:ok", task_id, 1)
-    assert done.getMessage().startswith(f"task done task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1")
+    assert (
+        started.getMessage()
+        == f"task started task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1"
+    )
+    assert (started.task_type, started.task_id, started.attempt) == (
+        "listener:test.tasklog.job:ok",
+        task_id,
+        1,
+    )
+    assert done.getMessage().startswith(
+        f"task done task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1"
+    )
     assert done.duration_ms >= 0
 
 
 def test_failures_log_an_error_saying_whether_they_will_be_retried(make_kit, start_worker, caplog):
     caplog.set_level(logging.INFO)
-    handler, calls = _failing_after(10)
+    handler, _ = _failing_after(10)
     kit = make_kit(
         lambda registry, schedule: registry.listen(Job, handler, name="bad", max_retries=1),
         env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"},

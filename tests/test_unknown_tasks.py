@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass
 
 from dramatiq import Message
-from helpers import messages_of, wait_for
 
 import dramatiq_gp as gp
+from helpers import messages_of, wait_for
 
 
 @gp.event("test.unknown.known")
@@ -19,7 +19,13 @@ class Known:
 
 
 def _orphan(actor_name: str, queue: str = "default") -> Message:
-    return Message(queue_name=queue, actor_name=actor_name, args=({"id": "x", "event": "e", "data": {}},), kwargs={}, options={})
+    return Message(
+        queue_name=queue,
+        actor_name=actor_name,
+        args=({"id": "x", "event": "e", "data": {}},),
+        kwargs={},
+        options={},
+    )
 
 
 def test_unknown_task_types_are_acked_and_skipped_with_one_warning_per_type(
@@ -38,7 +44,10 @@ def test_unknown_task_types_are_acked_and_skipped_with_one_warning_per_type(
     time.sleep(0.2)
     warnings = messages_of(caplog, "", logging.WARNING)
     assert len(warnings) == 2, warnings
-    assert "'listener:test.unknown.known:removed'" in warnings[0] or "'listener:test.unknown.known:removed'" in warnings[1]
+    assert (
+        "'listener:test.unknown.known:removed'" in warnings[0]
+        or "'listener:test.unknown.known:removed'" in warnings[1]
+    )
     assert all("no handler registered" in w for w in warnings)
     assert rdb.zcard(f"{namespace}:default.XQ") == 0
     assert messages_of(caplog, "dramatiq", logging.ERROR) == []
@@ -72,7 +81,9 @@ def test_after_the_grace_period_an_unknown_task_is_skipped(make_kit, start_worke
     caplog.set_level(logging.INFO)
     kit.broker.enqueue(_orphan("listener:test.unknown.known:gone"))
     start_worker(kit)
-    wait_for(lambda: any("no handler registered" in m for m in messages_of(caplog, "", logging.WARNING)), timeout=5)
+    wait_for(
+        lambda: any("no handler registered" in m for m in messages_of(caplog, "", logging.WARNING)), timeout=5
+    )
     wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") + rdb.hlen(f"{namespace}:default.DQ.msgs") == 0)
     assert any("holding its messages" in m for m in messages_of(caplog, "dramatiq_gp", logging.INFO))
     assert rdb.zcard(f"{namespace}:default.XQ") == 0

@@ -5,10 +5,11 @@ The kit's message ids are deterministic (fan-out, outbox, scheduler), so copies
 do happen: a relay crashing between enqueue and commit, a fan-out retried, two
 leaders overlapping. This middleware makes them harmless:
 
-* before running, one Lua call claims the id (``SET`` with a lease) unless it is
-  already marked done (the copy is acked and skipped) or claimed by a running
+* one Lua call per fetched batch claims each id (``SET`` with a lease) unless it
+  is already marked done (the copy is acked and skipped) or claimed by a running
   copy (the copy is deferred and looked at again later, so a crashed holder's
-  work is not lost);
+  work is not lost); the kit's broker calls :meth:`IdempotentExecution.claim`
+  as it fetches, and a message that arrives unclaimed is claimed on its own;
 * the outcome is written in the same Lua call as the ack (see
   :mod:`dramatiq_gp.broker`): ``done`` for a success, kept for the retention
   window; the claim is released on failure, so a retry of the same id runs;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 from uuid import uuid4
 
@@ -35,15 +37,23 @@ from dramatiq.middleware import MiddlewareError, SkipMessage
 from ..broker import Settlement, attach_settlement, settlement
 
 _CLAIM = """
-local v = redis.call("get", KEYS[1])
-if not v then
-    redis.call("set", KEYS[1], ARGV[1], "PX", ARGV[2])
-    return {1, 0}
+-- For each key: claim it (state 1), or report it done (2) or held by a running copy (3, with its TTL).
+local result = {}
+for i, key in ipairs(KEYS) do
+    local v = redis.call("get", key)
+    if not v then
+        redis.call("set", key, ARGV[i + 1], "PX", ARGV[1])
+        result[#result + 1] = 1
+        result[#result + 1] = 0
+    elseif v == "done" then
+        result[#result + 1] = 2
+        result[#result + 1] = 0
+    else
+        result[#result + 1] = 3
+        result[#result + 1] = redis.call("pttl", key)
+    end
 end
-if v == "done" then
-    return {2, 0}
-end
-return {3, redis.call("pttl", KEYS[1])}
+return result
 """
 
 _RENEW = """
@@ -55,6 +65,7 @@ end
 """
 
 _CLAIMED, _DONE, _RUNNING = 1, 2, 3
+_STATE_ATTR = "_gp_claim_state"
 
 #: A deferred copy looks again after 1 s, 2 s, 4 s... up to 30 s.
 MIN_DEFER_MS, MAX_DEFER_MS = 1000, 30_000
@@ -105,22 +116,39 @@ class IdempotentExecution(Middleware):
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         self._stop.set()
 
-    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        actor = broker.actors.get(message.actor_name)
-        if actor is None or not actor.options.get("idempotent"):
+    def claim(self, broker: Broker, messages: Sequence[MessageProxy]) -> None:
+        """Claim the ids of the idempotent ones among ``messages`` in one round trip."""
+        wanted = [m for m in messages if self._applies(broker, m)]
+        if not wanted:
             return
-        key, token = self.key_prefix + message.message_id, uuid4().hex
+        keys = [self.key_prefix + m.message_id for m in wanted]
+        tokens = [uuid4().hex for _ in wanted]
         try:
-            state, pttl = self._claim(keys=[key], args=[token, self.lease_ms])
+            states = self._claim(keys=keys, args=[self.lease_ms, *tokens])
         except redis.RedisError as exc:
-            raise ClaimUnavailable(
-                f"cannot check whether message {message.message_id} already ran: {exc}"
-            ) from exc
-        if state == _CLAIMED:
-            self._running[key] = token
-            attach_settlement(message, Settlement(key=key, token=token, outcome="release"))
+            self.logger.warning(
+                "could not claim a batch of %d message(s), claiming them one by one: %s", len(keys), exc
+            )
             return
-        if state == _DONE:
+        for i, message in enumerate(wanted):
+            self._record(message, keys[i], tokens[i], states[2 * i], states[2 * i + 1])
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        if not self._applies(broker, message):
+            return
+        state = getattr(message, _STATE_ATTR, None)
+        if state is None:
+            key, token = self.key_prefix + message.message_id, uuid4().hex
+            try:
+                result = self._claim(keys=[key], args=[self.lease_ms, token])
+            except redis.RedisError as exc:
+                raise ClaimUnavailable(
+                    f"cannot check whether message {message.message_id} ran: {exc}"
+                ) from exc
+            state = self._record(message, key, token, *result)
+        if state[0] == _CLAIMED:
+            return
+        if state[0] == _DONE:
             self.logger.warning(
                 "task skipped: already completed (duplicate) task_type=%s task_id=%s",
                 message.actor_name, message.message_id,
@@ -128,7 +156,7 @@ class IdempotentExecution(Middleware):
         else:
             # Look again soon (the holder may be nearly done), then less and less often.
             deferrals = message.options.get("gp_deferrals", 0)
-            delay_ms = min(MIN_DEFER_MS * 2 ** min(deferrals, 5), MAX_DEFER_MS, max(int(pttl), MIN_DEFER_MS))
+            delay_ms = min(MIN_DEFER_MS * 2 ** min(deferrals, 5), MAX_DEFER_MS, max(state[1], MIN_DEFER_MS))
             self.logger.info(
                 "task deferred: another copy is running task_type=%s task_id=%s retry_in_ms=%d",
                 message.actor_name, message.message_id, delay_ms,
@@ -155,6 +183,17 @@ class IdempotentExecution(Middleware):
             self._running.pop(plan.key, None)
 
     after_nack = after_ack
+
+    def _applies(self, broker: Broker, message: MessageProxy) -> bool:
+        actor = broker.actors.get(message.actor_name)
+        return actor is not None and bool(actor.options.get("idempotent"))
+
+    def _record(self, message: MessageProxy, key: str, token: str, state: int, pttl: int) -> tuple[int, int]:
+        if state == _CLAIMED:
+            self._running[key] = token
+            attach_settlement(message, Settlement(key=key, token=token, outcome="release"))
+        setattr(message, _STATE_ATTR, (state, int(pttl)))
+        return state, int(pttl)
 
     def _renew_forever(self) -> None:
         interval_s = self.lease_ms / 3000

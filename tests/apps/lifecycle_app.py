@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 import time
 
-from tests.apps.app_events import Slow
-
 import dramatiq_gp as gp
+from tests.apps.app_events import Slow
 
 
 def trace(line: str) -> None:

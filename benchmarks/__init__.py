@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks <name> [--json]``. Each compares against a baseline in the same run."""

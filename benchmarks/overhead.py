@@ -1,0 +1,146 @@
+"""What the kit costs per message, against bare Dramatiq in the same run.
+
+Three variants, each in a fresh worker process (one process, 8 threads, the same
+Redis), run alternately for several rounds; every variant logs at INFO to a file:
+
+* ``bare``: a no-op plain actor on Dramatiq's ``RedisBroker`` with its default middleware;
+* ``kit``: the same actor through the kit's full middleware stack (task logs included);
+* ``listener``: a no-op listener reached through ``dispatch`` (fan-out ids and
+  idempotent execution included).
+
+Messages are enqueued before the worker starts; the clock runs from worker start
+until the last message is acked. Reported: the median rate per variant, the
+ratios to bare, and each variant's resident memory after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import dramatiq
+import redis
+from dramatiq.brokers.redis import RedisBroker
+
+import dramatiq_gp as gp
+
+VARIANTS = ("bare", "kit", "listener")
+QUEUE = "bench"
+
+
+@gp.event("benchmarks.overhead.tick")
+@dataclass(frozen=True)
+class Tick:
+    n: int
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_variant(variant: str, messages: int, threads: int, redis_url: str) -> dict[str, float]:
+    """Run one variant in this process and measure it."""
+    log_fd, log_path = tempfile.mkstemp(prefix=f"gp-bench-{variant}-", suffix=".log")
+    os.close(log_fd)
+    logging.basicConfig(level=logging.INFO, filename=log_path, force=True)
+    namespace = f"gpbench-{uuid.uuid4().hex[:8]}"
+    os.environ["REDIS_URL"] = redis_url
+    broker: Any
+    if variant == "bare":
+        broker = RedisBroker(url=redis_url, namespace=namespace)
+    else:
+        kit = gp.Kit(registry=gp.Registry(), broker_options={"namespace": namespace})
+        broker = kit.broker
+
+    def noop(n: int) -> None:
+        pass
+
+    if variant == "listener":
+        kit.registry.listen(Tick, lambda event: None, name="noop", queue=QUEUE)
+        batch = [m for n in range(messages) for m in kit.registry.fan_out(Tick(n), str(uuid.uuid4()))]
+    else:
+        actor = dramatiq.actor(noop, broker=broker, queue_name=QUEUE, actor_name="noop")
+        batch = [actor.message(n) for n in range(messages)]
+    for start in range(0, len(batch), 1000):
+        # Not timed: fill the queue in pipelined chunks (bare Dramatiq has no batch API).
+        gp.Broker.enqueue_many(broker, batch[start : start + 1000])
+
+    watcher = redis.Redis.from_url(redis_url)
+    broker.emit_after("process_boot")
+    worker = dramatiq.Worker(broker, worker_threads=threads)
+    started = time.perf_counter()
+    worker.start()
+    while watcher.hlen(f"{namespace}:{QUEUE}.msgs"):
+        time.sleep(0.005)
+    elapsed = time.perf_counter() - started
+    rss = _rss_mb()
+    worker.stop()
+    for key in watcher.scan_iter(f"{namespace}:*", count=1000):
+        watcher.delete(key)
+    os.unlink(log_path)
+    return {"msgs_per_s": messages / elapsed, "rss_mb": rss}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks overhead", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+    if args.variant:  # a child: run one variant, report on stdout
+        print(json.dumps(run_variant(args.variant, args.messages, args.threads, redis_url)))
+        return 0
+
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    for round_ in range(1, args.rounds + 1):
+        for variant in VARIANTS:
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks", "overhead", "--variant", variant,
+                 "--messages", str(args.messages), "--threads", str(args.threads)],
+                check=True, capture_output=True, text=True, env={**os.environ, "REDIS_URL": redis_url},
+            )  # fmt: skip
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            results[variant].append(result)
+            rate, rss = result["msgs_per_s"], result["rss_mb"]
+            print(f"round {round_} {variant:>8}: {rate:8.0f} msg/s, {rss:6.1f} MB RSS", flush=True)
+
+    def median(variant: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[variant])
+
+    summary = {
+        "bare_msgs_per_s": round(median("bare", "msgs_per_s")),
+        "kit_msgs_per_s": round(median("kit", "msgs_per_s")),
+        "ratio": round(median("kit", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
+        "listener_msgs_per_s": round(median("listener", "msgs_per_s")),
+        "listener_ratio": round(median("listener", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
+        "bare_rss_mb": round(median("bare", "rss_mb"), 1),
+        "kit_rss_mb": round(median("kit", "rss_mb"), 1),
+        "messages": args.messages,
+        "rounds": args.rounds,
+        "threads": args.threads,
+    }
+    print(
+        f"kit/bare {summary['ratio']:.3f}, listener/bare {summary['listener_ratio']:.3f}, "
+        f"RSS kit-bare {summary['kit_rss_mb'] - summary['bare_rss_mb']:+.1f} MB"
+    )
+    if args.json:
+        print(json.dumps(summary))
+    return 0

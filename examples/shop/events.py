@@ -1,0 +1,15 @@
+"""The shop's events. The wire names are the contract; the classes may move."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dramatiq_gp as gp
+
+
+@gp.event("shop.order_placed")
+@dataclass(frozen=True)
+class OrderPlaced:
+    order_id: int
+    customer_email: str
+    total_cents: int

@@ -1,0 +1,43 @@
+"""What happens when an order is placed: two listeners, each retried on its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy.exc import IntegrityError
+
+import dramatiq_gp as gp
+
+from .db import sales
+from .deps import Dependencies
+from .events import OrderPlaced
+
+
+def send_confirmation(deps: Dependencies) -> Callable[[OrderPlaced], None]:
+    def handle(event: OrderPlaced) -> None:
+        deps.mailer.send(
+            dedup_key=f"order-confirmation:{event.order_id}",
+            recipient=event.customer_email,
+            subject=f"Your order #{event.order_id}",
+            body=f"Thank you! We received {event.total_cents / 100:.2f} EUR.",
+        )
+
+    return handle
+
+
+def record_sale(deps: Dependencies) -> Callable[[OrderPlaced], None]:
+    def handle(event: OrderPlaced) -> None:
+        try:
+            with deps.engine.begin() as conn:
+                conn.execute(sales.insert().values(order_id=event.order_id, total_cents=event.total_cents))
+        except IntegrityError:
+            pass  # recorded by an earlier delivery
+
+    return handle
+
+
+def register(registry: gp.Registry, deps: Dependencies) -> None:
+    registry.listen(
+        OrderPlaced, send_confirmation(deps), name="send_confirmation", queue="mail", max_retries=10
+    )
+    registry.listen(OrderPlaced, record_sale(deps), name="record_sale")
