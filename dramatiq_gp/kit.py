@@ -142,7 +142,7 @@ class Kit:
             health_check_interval=30,
             **queue.client_options(),
         )
-        namespace = options.setdefault("namespace", "dramatiq")
+        namespace = options.setdefault("namespace", queue.namespace)
         lifecycle = Lifecycle(
             check_connection=self.check_connection,
             closers=self._closers,

@@ -109,6 +109,8 @@ class QueueSettings(BaseSettings):
     tls_insecure: bool = False
     #: A full URL instead of the parts above: ``redis://``, ``rediss://``, ``unix://``, ``valkey://``.
     url: SecretStr | None = Field(default=None, validation_alias="REDIS_URL")
+    #: Prefix of every key (Dramatiq's queues and the kit's own), so apps can share a server.
+    namespace: str = Field(default="dramatiq", pattern=r"^[A-Za-z0-9_.\-]+$")
 
     @model_validator(mode="after")
     def _one_address(self) -> QueueSettings:
