@@ -138,7 +138,6 @@ class Kit:
         client = options.pop("client", None) or redis.Redis.from_url(
             queue.connection_url(),
             socket_connect_timeout=CONNECT_TIMEOUT_S,
-            socket_keepalive=True,
             health_check_interval=30,
             **queue.client_options(),
         )

@@ -149,9 +149,10 @@ class QueueSettings(BaseSettings):
         return redact_url(self.connection_url())
 
     def client_options(self) -> dict[str, Any]:
-        """TLS options for :func:`redis.Redis.from_url` that a URL cannot carry."""
-        options: dict[str, Any] = {}
-        if self.connection_url().startswith("rediss://"):
+        """Options for :func:`redis.Redis.from_url` that a URL cannot carry (TCP keepalive, TLS)."""
+        url = self.connection_url()
+        options: dict[str, Any] = {} if url.startswith("unix://") else {"socket_keepalive": True}
+        if url.startswith("rediss://"):
             if self.tls_ca_file:
                 options["ssl_ca_certs"] = self.tls_ca_file
             if self.tls_insecure:

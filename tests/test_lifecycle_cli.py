@@ -99,7 +99,7 @@ def test_sigterm_drains_the_running_listener_then_runs_closers_lifo(run_dramatiq
         worker.log,
         "start-up: telemetry ready",
         "start-up: registered 1 listener(s) for 1 event type(s), 0 schedule entries",
-        "start-up: broker reachable at redis",
+        "start-up: broker reachable at ",
         "start-up: consumers started on default with 2 threads",
         "task started task_type=listener:test.app.slow:slow",
         "shutdown: stopping producers",
