@@ -145,15 +145,13 @@ class Broker(RedisBroker):
         plan = settlement(message) or Settlement()
         ns, queue = self.namespace, queue_name
         canonical, delayed = q_name(queue), dq_name(q_name(queue))
-        copy_id, copy_data = "", b""
+        copy: Message[Any] | None = None
         if plan.redeliver is not None:
-            copy_id = str(uuid4())
             copy = plan.redeliver.copy(
                 queue_name=delayed,
-                options={"redis_message_id": copy_id, "eta": current_millis() + plan.delay_ms},
+                options={"redis_message_id": str(uuid4()), "eta": current_millis() + plan.delay_ms},
             )
             self.emit_before("enqueue", copy, plan.delay_ms)
-            copy_data = copy.encode()
         keys = [
             f"{ns}:__heartbeats__",
             f"{ns}:__acks__.{self.broker_id}.{queue}",
@@ -166,15 +164,16 @@ class Broker(RedisBroker):
             f"{ns}:{delayed}.msgs",
         ]
         args = [command, current_millis(), self.broker_id, message.options["redis_message_id"],
-                plan.outcome, plan.token, plan.retention_ms, copy_id, copy_data]  # fmt: skip
+                plan.outcome, plan.token, plan.retention_ms,
+                copy.options["redis_message_id"] if copy else "", copy.encode() if copy else b""]  # fmt: skip
         try:
             self._settle(keys=keys, args=args)
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
-        if plan.redeliver is not None:
+        if copy is not None:
             self.emit_after("enqueue", copy, plan.delay_ms)
 
-    def warn_once(
+    def _warn_once(
         self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING
     ) -> None:
         """Log ``msg`` the first time ``kind`` happens to ``task_type`` in this process."""
@@ -189,7 +188,7 @@ class Broker(RedisBroker):
         since = message.options.get("gp_unknown_since", now)
         waited = now - since
         if waited < self.unknown_task_grace_ms:
-            self.warn_once(
+            self._warn_once(
                 "held", message.actor_name,
                 "no handler for task type %r here; holding its messages for up to %d s in case "
                 "a newer worker handles them (WORKER_UNKNOWN_TASK_GRACE)",
@@ -200,7 +199,7 @@ class Broker(RedisBroker):
                 delay_ms=min(UNKNOWN_TASK_RETRY_MS, self.unknown_task_grace_ms - waited),
             ))  # fmt: skip
         else:
-            self.warn_once(
+            self._warn_once(
                 "skipped", message.actor_name,
                 "task skipped: no handler registered for task type %r (task_id=%s); "
                 "further messages of this type are skipped too",
