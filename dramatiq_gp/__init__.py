@@ -3,6 +3,7 @@
 Everything an application uses is importable from here.
 """
 
+from . import outbox
 from .broker import Broker
 from .errors import (
     BrokerUnreachable,
@@ -18,13 +19,14 @@ from .kit import Kit, RegisterFunc, current_kit, dispatch
 from .middleware import ClaimUnavailable, IdempotentExecution, PanicRecovery, TaskLog
 from .registry import Listener, Registry, default_registry, fan_out_id, listener
 from .scheduler import Schedule
-from .settings import LogSettings, QueueSettings, Settings, WorkerSettings
+from .settings import DatabaseSettings, LogSettings, OutboxSettings, QueueSettings, Settings, WorkerSettings
 
 __all__ = [
     "Broker",
     "BrokerUnreachable",
     "ClaimUnavailable",
     "ConfigError",
+    "DatabaseSettings",
     "EventEncodeError",
     "EventError",
     "EventType",
@@ -34,6 +36,7 @@ __all__ = [
     "Kit",
     "Listener",
     "LogSettings",
+    "OutboxSettings",
     "PanicRecovery",
     "QueueSettings",
     "RegisterFunc",
@@ -50,4 +53,5 @@ __all__ = [
     "event_type",
     "fan_out_id",
     "listener",
+    "outbox",
 ]

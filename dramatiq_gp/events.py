@@ -108,5 +108,10 @@ def event_type(event_or_class: object) -> EventType:
     return declared  # type: ignore[no-any-return]
 
 
+def event_type_named(name: str) -> EventType | None:
+    """The event type declared in this process under wire name ``name``, if any."""
+    return _by_name.get(name)
+
+
 def _path(cls: type[Any]) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"

@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 from uuid import uuid4
 
 import dramatiq
 import redis
+import sqlalchemy as sa
 from dramatiq import Middleware
 from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, Retries, ShutdownNotifications, TimeLimit
+from sqlalchemy.orm import Session
 
-from . import telemetry
+from . import outbox, telemetry
 from .broker import Broker
 from .errors import BrokerUnreachable, GPError
-from .lifecycle import Closer, Closers, Lifecycle
+from .lifecycle import Closer, Closers, Lifecycle, Producer
 from .middleware import IdempotentExecution, PanicRecovery, TaskLog
 from .registry import Registry, default_registry
 from .scheduler import Schedule
@@ -61,6 +63,9 @@ class Kit:
         broker_options: extra keyword arguments for Dramatiq's ``RedisBroker``
             (``namespace``, ``heartbeat_timeout``, ``client``...).
         middleware: extra Dramatiq middleware, added after the kit's own.
+        engine: the database holding the outbox; defaults to one built from ``DB_*``.
+            With a database, :meth:`dispatch` goes through the outbox and each worker
+            process runs a relay (unless ``OUTBOX_RELAY=false``).
 
     Raises:
         ConfigError: an environment variable is invalid.
@@ -74,6 +79,7 @@ class Kit:
         registry: Registry | None = None,
         broker_options: Mapping[str, Any] | None = None,
         middleware: Sequence[Middleware] = (),
+        engine: sa.Engine | None = None,
     ) -> None:
         global _current
         self.settings = settings if settings is not None else Settings.from_env()
@@ -82,9 +88,23 @@ class Kit:
             "start-up: telemetry ready (log level %s)", logging.getLevelName(logging.getLogger().level)
         )
         self._closers = Closers()
+        self._producers: list[Producer] = []
         self.broker = self._build_broker(dict(broker_options or {}), middleware)
         self._closers.kit.append(("queue client", self.broker.client.connection_pool.disconnect))
         dramatiq.set_broker(self.broker)
+        self.engine = engine
+        if engine is None and self.settings.db.configured:
+            self.engine = engine = sa.create_engine(
+                self.settings.db.sqlalchemy_url(), pool_size=self.settings.db.pool_size, pool_pre_ping=True
+            )
+            self._closers.kit.append(("outbox database", engine.dispose))
+        self.relay: outbox.Relay | None = None
+        if engine is not None:
+            outbox.set_notify(self.settings.outbox.notify)
+            if self.settings.outbox.relay:
+                self.relay = outbox.Relay(engine=engine, broker=self.broker, settings=self.settings.outbox)
+                self._producers.append(self.relay)
+                self._closers.kit.append((self.relay.name, self.relay.close))
         self.registry = registry if registry is not None else default_registry
         self.registry.bind(self.broker)
         self.schedule = Schedule()
@@ -103,16 +123,33 @@ class Kit:
         self._closers.app.append((name, close))
         return self
 
-    def dispatch(self, event: object, *, envelope_id: str | None = None) -> str:
-        """Fan ``event`` out to its listeners now (not transactional); returns the envelope id.
+    @overload
+    def dispatch(self, event: object, /, *, envelope_id: str | None = None) -> str: ...
 
-        Every listener's message is encoded before any is sent, and all are sent in
-        one round trip or none are.
+    @overload
+    def dispatch(
+        self, target: Session | sa.Connection, event: object, /, *, envelope_id: str | None = None
+    ) -> str: ...
+
+    def dispatch(self, *args: Any, envelope_id: str | None = None) -> str:
+        """Dispatch an event to its listeners; returns the envelope (event) id.
+
+        ``dispatch(session_or_connection, event)`` writes it to the outbox in that
+        transaction: nothing is sent unless it commits. ``dispatch(event)`` goes
+        through the outbox in a transaction of its own when the kit has a database,
+        and straight to the queue otherwise (every listener's message encoded
+        before any is sent, all sent in one round trip or none).
 
         Raises:
             EventError: ``event`` is not an event.
-            EventEncodeError: its payload cannot be encoded; nothing was sent.
+            EventEncodeError: its payload cannot be encoded; nothing was written or sent.
         """
+        if len(args) == 2:
+            return outbox.write(args[0], args[1], envelope_id=envelope_id)
+        (event,) = args
+        if self.engine is not None:
+            with self.engine.begin() as conn:
+                return outbox.write(conn, event, envelope_id=envelope_id)
         envelope_id = envelope_id or str(uuid4())
         messages = self.registry.fan_out(event, envelope_id)
         if messages:
@@ -144,6 +181,7 @@ class Kit:
         namespace = options.setdefault("namespace", queue.namespace)
         lifecycle = Lifecycle(
             check_connection=self.check_connection,
+            producers=self._producers,
             closers=self._closers,
             shutdown_timeout_ms=_ms(worker.shutdown_timeout) if worker.shutdown_timeout is not None else None,
             queues=worker.queues,
@@ -192,6 +230,21 @@ def current_kit() -> Kit:
     return _current
 
 
-def dispatch(event: object, *, envelope_id: str | None = None) -> str:
-    """Fan ``event`` out through the current :class:`Kit` (see :meth:`Kit.dispatch`)."""
-    return current_kit().dispatch(event, envelope_id=envelope_id)
+@overload
+def dispatch(event: object, /, *, envelope_id: str | None = None) -> str: ...
+
+
+@overload
+def dispatch(target: Session | sa.Connection, event: object, /, *, envelope_id: str | None = None) -> str: ...
+
+
+def dispatch(*args: Any, envelope_id: str | None = None) -> str:
+    """Dispatch an event (see :meth:`Kit.dispatch`).
+
+    ``dispatch(session_or_connection, event)`` needs no Kit: it only writes the
+    outbox row, so a web application can call it with just its events imported.
+    ``dispatch(event)`` goes through the last Kit built in this process.
+    """
+    if len(args) == 2:
+        return outbox.write(args[0], args[1], envelope_id=envelope_id)
+    return current_kit().dispatch(*args, envelope_id=envelope_id)

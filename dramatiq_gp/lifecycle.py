@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from dramatiq import Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
@@ -30,6 +30,16 @@ from .durations import format_duration
 from .errors import BrokerUnreachable
 
 Closer = Callable[[], object]
+
+
+class Producer(Protocol):
+    """Something that puts work on the queues from its own thread: the relay, the schedule runner."""
+
+    name: str
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class Closers:
@@ -54,6 +64,7 @@ class Lifecycle(Middleware):
 
     Parameters:
         check_connection: pings the broker; raises :class:`BrokerUnreachable`.
+        producers: started with the consumers, stopped first at shutdown.
         closers: run after the drain.
         shutdown_timeout_ms: the drain limit; ``None`` keeps the CLI's.
         queues: the queues to consume (``WORKER_QUEUES``); ``None`` means all.
@@ -63,12 +74,14 @@ class Lifecycle(Middleware):
         self,
         *,
         check_connection: Callable[[], None],
+        producers: Sequence[Producer],
         closers: Closers,
         shutdown_timeout_ms: int | None,
         queues: Mapping[str, int] | None,
     ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.check_connection = check_connection
+        self.producers = producers
         self.closers = closers
         self.shutdown_timeout_ms = shutdown_timeout_ms
         self.queues = queues
@@ -112,6 +125,9 @@ class Lifecycle(Middleware):
             ", ".join(consumed) or "no queues",
             len(worker.workers),
         )
+        for producer in self.producers:
+            producer.start()
+            self.logger.info("start-up: %s started", producer.name)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         self._in_flight[threading.get_ident()] = message
@@ -130,7 +146,10 @@ class Lifecycle(Middleware):
         self._in_flight.pop(threading.get_ident(), None)
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
-        self.logger.info("shutdown: stopping producers")
+        names = ", ".join(producer.name for producer in self.producers) or "none running"
+        self.logger.info("shutdown: stopping producers (%s)", names)
+        for producer in self.producers:
+            producer.stop()
         self.logger.info(
             "shutdown: draining in-flight tasks (up to %s)",
             format_duration(timedelta(milliseconds=self._drain_timeout_ms)),

@@ -2,10 +2,15 @@
 
 Each listener is its own Dramatiq actor, ``listener:<event>:<listener>``, on its
 own queue with its own options, so each runs as its own message and is retried
-on its own. Dispatching an event builds one message per listener whose id is
+on its own. Fanning an envelope out builds one message per listener whose id is
 derived from the envelope id and the actor name: fanning the same envelope out
 again yields the same ids, which the idempotent-execution middleware turns into
 no-ops.
+
+A direct dispatch fans out at once. An event coming from the outbox arrives as
+one ``event:<event>`` message (its id is the event id); that actor, declared
+with the first listener of the event, does the fan-out in whichever worker picks
+it up, so a relay needs no listeners and a retried fan-out duplicates nothing.
 """
 
 from __future__ import annotations
@@ -22,11 +27,20 @@ from dramatiq import Actor, Broker, Message
 from .errors import RegistrationError
 from .events import NAME, EventType, event_type
 from .settings import QUEUE_NAME
+from .tracecontext import current_carrier
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Namespace of the fan-out message ids (uuid5 of envelope id and actor name).
 FAN_OUT_NAMESPACE = UUID("6b1f3c6e-3d2a-5e0c-9a51-2f2b8f1d6a10")
+
+#: The queue of the ``event:<event>`` fan-out messages.
+EVENT_QUEUE = "default"
+
+
+def event_actor_name(event_name: str) -> str:
+    """The actor that fans out events named ``event_name``."""
+    return f"event:{event_name}"
 
 
 def fan_out_id(envelope_id: str, actor_name: str) -> str:
@@ -99,7 +113,7 @@ class Registry:
                 raise RegistrationError(f"{where} is registered twice; give one of them another name=")
             taken.append(listener)
             if self._broker is not None:
-                _declare(listener, self._broker)
+                self._declare(listener, self._broker)
         return listener
 
     def listener(self, event_cls: type[Any], **options: Any) -> Callable[[F], F]:
@@ -125,7 +139,7 @@ class Registry:
             for group in self._by_event.values():
                 for listener in group:
                     if listener.actor_name not in broker.actors:
-                        _declare(listener, broker)
+                        self._declare(listener, broker)
 
     def fan_out(self, event: object, envelope_id: str) -> list[Message[Any]]:
         """One message per listener of ``event``, with ids derived from ``envelope_id``.
@@ -135,7 +149,14 @@ class Registry:
             EventEncodeError: its payload cannot be encoded.
         """
         kind = event_type(event)
-        envelope = {"id": envelope_id, "event": kind.name, "data": kind.encode(event)}
+        envelope: dict[str, Any] = {"id": envelope_id, "event": kind.name, "data": kind.encode(event)}
+        trace = current_carrier()
+        if trace:
+            envelope["trace"] = trace
+        return self.messages_for(envelope)
+
+    def messages_for(self, envelope: Mapping[str, Any]) -> list[Message[Any]]:
+        """The listener messages of an envelope (``id``, ``event``, ``data``, optional ``trace``)."""
         return [
             Message(
                 queue_name=listener.queue,
@@ -143,10 +164,49 @@ class Registry:
                 args=(envelope,),
                 kwargs={},
                 options={},
-                message_id=fan_out_id(envelope_id, listener.actor_name),
+                message_id=fan_out_id(envelope["id"], listener.actor_name),
             )
-            for listener in self._by_event.get(kind.name, ())
+            for listener in self._by_event.get(envelope["event"], ())
         ]
+
+    def _declare(self, listener: Listener, broker: Broker) -> None:
+        unknown = set(listener.options) - broker.actor_options
+        if unknown:
+            raise RegistrationError(
+                f"listener {listener.actor_name!r}: unknown option(s) {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(sorted(broker.actor_options))}"
+            )
+        decode, handler = listener.event.decode, listener.handler
+
+        def run(envelope: dict[str, Any]) -> None:
+            handler(decode(envelope["data"]))
+
+        run.__module__ = getattr(handler, "__module__", None) or __name__
+        run.__name__ = run.__qualname__ = listener.name
+        Actor(
+            run,
+            broker=broker,
+            actor_name=listener.actor_name,
+            queue_name=listener.queue,
+            priority=listener.priority,
+            options={"idempotent": True, **listener.options},
+        )
+        fan_out_actor = event_actor_name(listener.event.name)
+        if fan_out_actor not in broker.actors:
+
+            def fan_out(envelope: dict[str, Any]) -> None:
+                messages = self.messages_for(envelope)
+                if messages:
+                    broker.enqueue_many(messages)  # type: ignore[attr-defined]
+
+            Actor(
+                fan_out,
+                broker=broker,
+                actor_name=fan_out_actor,
+                queue_name=EVENT_QUEUE,
+                priority=0,
+                options={"idempotent": True},
+            )
 
 
 def _check_handler(where: str, handler: object) -> None:
@@ -162,30 +222,6 @@ def _check_handler(where: str, handler: object) -> None:
         ) from None
     except ValueError:  # builtins without a signature
         pass
-
-
-def _declare(listener: Listener, broker: Broker) -> None:
-    unknown = set(listener.options) - broker.actor_options
-    if unknown:
-        raise RegistrationError(
-            f"listener {listener.actor_name!r}: unknown option(s) {', '.join(sorted(unknown))}; "
-            f"known: {', '.join(sorted(broker.actor_options))}"
-        )
-    decode, handler = listener.event.decode, listener.handler
-
-    def run(envelope: dict[str, Any]) -> None:
-        handler(decode(envelope["data"]))
-
-    run.__module__ = getattr(handler, "__module__", None) or __name__
-    run.__name__ = run.__qualname__ = listener.name
-    Actor(
-        run,
-        broker=broker,
-        actor_name=listener.actor_name,
-        queue_name=listener.queue,
-        priority=listener.priority,
-        options={"idempotent": True, **listener.options},
-    )
 
 
 #: The registry module-level ``@dramatiq_gp.listener`` functions join; a Kit uses it unless given another.

@@ -160,6 +160,72 @@ class QueueSettings(BaseSettings):
         return options
 
 
+class DatabaseSettings(BaseSettings):
+    """``DB_*``: the application's database, where the outbox lives."""
+
+    model_config = SettingsConfigDict(env_prefix="DB_", extra="ignore")
+
+    #: A SQLAlchemy URL; ``postgresql://`` means psycopg 3. Or give the parts below.
+    url: SecretStr | None = None
+    host: str | None = None
+    port: int = Field(default=5432, gt=0, lt=65536)
+    user: str = "postgres"
+    password: SecretStr | None = None
+    name: str = "postgres"
+    pool_size: int = Field(default=5, ge=1)
+
+    @model_validator(mode="after")
+    def _one_address(self) -> DatabaseSettings:
+        if self.url is not None and self.host is not None:
+            raise ValueError("set either DB_URL or DB_HOST, not both")
+        return self
+
+    @property
+    def configured(self) -> bool:
+        return self.url is not None or self.host is not None
+
+    def sqlalchemy_url(self) -> str:
+        """The URL to connect with, password included: never log it, use :meth:`display`."""
+        if self.url is not None:
+            url = self.url.get_secret_value()
+            for plain in ("postgresql://", "postgres://"):
+                if url.startswith(plain):
+                    return "postgresql+psycopg://" + url[len(plain) :]
+            return url
+        password = quote(self.password.get_secret_value(), safe="") if self.password else ""
+        auth = f"{quote(self.user, safe='')}:{password}@" if password else f"{quote(self.user, safe='')}@"
+        return f"postgresql+psycopg://{auth}{self.host}:{self.port}/{self.name}"
+
+    def display(self) -> str:
+        return redact_url(self.sqlalchemy_url())
+
+
+class OutboxSettings(BaseSettings):
+    """``OUTBOX_*``: how the relay moves committed events to the queue."""
+
+    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="ignore")
+
+    #: Run a relay in this worker (when a database is configured).
+    relay: bool = True
+    #: Rows claimed and enqueued per round trip.
+    batch_size: int = Field(default=500, ge=1, le=10_000)
+    #: Polling backs off from the minimum to the maximum while idle.
+    poll_interval_min: Duration = timedelta(milliseconds=50)
+    poll_interval_max: Duration = timedelta(seconds=1)
+    #: LISTEN/NOTIFY wake-up; switch off where NOTIFY's commit lock hurts.
+    notify: bool = True
+    #: How long published rows are kept; ``0`` deletes them as they are published.
+    retention: Duration = timedelta(hours=1)
+    #: Attempts before a row that cannot be enqueued is set aside.
+    max_attempts: int = Field(default=10, ge=1)
+
+    @model_validator(mode="after")
+    def _interval_order(self) -> OutboxSettings:
+        if self.poll_interval_max < self.poll_interval_min:
+            raise ValueError("OUTBOX_POLL_INTERVAL_MAX must not be shorter than OUTBOX_POLL_INTERVAL_MIN")
+        return self
+
+
 class LogSettings(BaseSettings):
     """``LOG_*``: log level (JSON output and trace correlation come with telemetry)."""
 
@@ -187,6 +253,8 @@ class Settings:
     worker: WorkerSettings = field(default_factory=lambda: WorkerSettings())
     queue: QueueSettings = field(default_factory=lambda: QueueSettings())
     log: LogSettings = field(default_factory=lambda: LogSettings())
+    db: DatabaseSettings = field(default_factory=lambda: DatabaseSettings())
+    outbox: OutboxSettings = field(default_factory=lambda: OutboxSettings())
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -205,9 +273,10 @@ class Settings:
                 return None
 
         worker, queue, log = load(WorkerSettings), load(QueueSettings), load(LogSettings)
-        if problems or worker is None or queue is None or log is None:
+        db, outbox = load(DatabaseSettings), load(OutboxSettings)
+        if problems or worker is None or queue is None or log is None or db is None or outbox is None:
             raise ConfigError("invalid configuration: " + "; ".join(problems))
-        return cls(worker=worker, queue=queue, log=log)
+        return cls(worker=worker, queue=queue, log=log, db=db, outbox=outbox)
 
 
 def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:

@@ -28,7 +28,8 @@ from devtools.services import services  # noqa: E402
 @pytest.fixture(scope="session")
 def service_env() -> Iterator[dict[str, str]]:
     with services() as env:
-        os.environ.update(env)
+        # Kit tests read REDIS_URL; a test opts in to the outbox by setting DB_URL itself.
+        os.environ["REDIS_URL"] = env["REDIS_URL"]
         yield env
 
 
@@ -63,7 +64,7 @@ def namespace(rdb: redis.Redis) -> Iterator[str]:
 def clean_env(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> pytest.MonkeyPatch:
     """An environment with no kit variables but REDIS_URL."""
     for name in list(os.environ):
-        if name.startswith(("WORKER_", "VALKEY_", "LOG_", "SCHEDULER_", "OUTBOX_")):
+        if name.startswith(("WORKER_", "VALKEY_", "LOG_", "SCHEDULER_", "OUTBOX_", "DB_")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("REDIS_URL", redis_url)
     return monkeypatch

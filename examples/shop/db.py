@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+import dramatiq_gp as gp
+
 metadata = sa.MetaData()
+
+orders = sa.Table(
+    "shop_orders",
+    metadata,
+    sa.Column("id", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("customer_email", sa.String(320), nullable=False),
+    sa.Column("total_cents", sa.BigInteger, nullable=False),
+    sa.Column("placed_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+)
 
 sent_emails = sa.Table(
     "shop_sent_emails",
@@ -25,3 +36,6 @@ sales = sa.Table(
     sa.Column("total_cents", sa.BigInteger, nullable=False),
     sa.Column("recorded_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
 )
+
+# The outbox lives in the shop's own metadata, so one create_all (or Alembic) makes it.
+outbox_events = gp.outbox.outbox_table(metadata)

@@ -1,4 +1,4 @@
-"""The shop end to end: start a worker, place orders, watch the listeners run, stop the worker.
+"""The shop end to end: start a worker, place orders, watch them flow through the outbox to the listeners.
 
 ``make demo`` runs this with a reachable Redis and PostgreSQL (local or embedded).
 """
@@ -41,7 +41,10 @@ def main() -> int:
     engine = Dependencies.from_env().engine
     metadata.drop_all(engine)
     metadata.create_all(engine)
-    print("== tables created; starting the worker: dramatiq examples.shop.worker", flush=True)
+    print(
+        "== tables created (the outbox included); starting the worker: dramatiq examples.shop.worker",
+        flush=True,
+    )
 
     lines: list[str] = []
     worker = subprocess.Popen(
@@ -51,7 +54,9 @@ def main() -> int:
     threading.Thread(target=_stream, args=(worker, lines), daemon=True).start()
     try:
         _wait_until(lambda: any("start-up: consumers started" in line for line in lines), 60, "the worker")
-        print(f"== placing {ORDERS} orders", flush=True)
+        print(
+            f"== placing {ORDERS} orders: each order and its OrderPlaced event in one transaction", flush=True
+        )
         subprocess.run(
             [sys.executable, "-m", "examples.shop.place_orders", str(ORDERS)], cwd=ROOT, check=True
         )
@@ -65,6 +70,7 @@ def main() -> int:
             mails = conn.execute(sa.select(sent_emails.c.recipient, sent_emails.c.subject)).all()
             total = conn.execute(sa.select(sa.func.sum(sales.c.total_cents))).scalar_one()
         print(
+            "== the outbox relay enqueued each event, the event:shop.order_placed task fanned it out, and\n"
             f"== both listeners ran for every order: {len(mails)} mails sent (queue 'mail'), "
             f"{ORDERS} sales recorded totalling {total / 100:.2f} EUR (queue 'default')",
             flush=True,

@@ -1,4 +1,4 @@
-"""Create the shop's tables: ``python -m examples.shop.migrate``."""
+"""Create the shop's tables, the outbox included: ``python -m examples.shop.migrate``."""
 
 from __future__ import annotations
 

@@ -14,5 +14,6 @@ def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
     listeners.register(registry, deps)
 
 
-kit = gp.Kit(register).with_closer("database", deps.engine.dispose)
+# The kit shares the shop's engine: the relay reads the outbox the orders are written with.
+kit = gp.Kit(register, engine=deps.engine).with_closer("database", deps.engine.dispose)
 broker = kit.broker

@@ -1,0 +1,50 @@
+"""Looking after the outbox: the rows set aside, and putting them back."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from .table import OUTBOX_EVENTS
+
+T = OUTBOX_EVENTS.c
+
+
+@dataclass(frozen=True)
+class FailedEvent:
+    """An outbox row the relays gave up on."""
+
+    id: uuid.UUID
+    event: str
+    attempts: int
+    last_error: str | None
+    created_at: datetime
+    failed_at: datetime
+    payload: Any
+
+
+def failed_events(conn: sa.Connection, *, limit: int = 100) -> list[FailedEvent]:
+    """The rows set aside, oldest first."""
+    rows = conn.execute(
+        sa.select(T.id, T.event, T.attempts, T.last_error, T.created_at, T.failed_at, T.payload)
+        .where(T.failed_at.is_not(None))
+        .order_by(T.failed_at)
+        .limit(limit)
+    ).all()
+    return [FailedEvent(*row) for row in rows]
+
+
+def retry_failed(conn: sa.Connection, ids: Sequence[uuid.UUID | str] | None = None) -> int:
+    """Make set-aside rows pending again (all of them when ``ids`` is None); returns how many."""
+    query = sa.update(OUTBOX_EVENTS).where(T.failed_at.is_not(None))
+    if ids is not None:
+        query = query.where(T.id.in_([uuid.UUID(str(i)) for i in ids]))
+    result = conn.execute(
+        query.values(failed_at=None, attempts=0, last_error=None, available_at=sa.func.now())
+    )
+    return result.rowcount

@@ -1,0 +1,263 @@
+"""The relay: moves committed outbox rows to the queue, once each, losing none.
+
+One relay thread runs in every worker process; any number run together. Each
+round, in one database transaction, a relay
+
+1. claims up to ``OUTBOX_BATCH_SIZE`` pending rows whose time has come with
+   ``FOR UPDATE SKIP LOCKED`` (by status, not by an id cursor, so a transaction
+   that commits out of id order is never skipped, and relays never wait on each
+   other);
+2. enqueues one ``event:<event>`` message per row, under the row's id, all in one
+   Redis round trip;
+3. marks the rows published (or deletes them when ``OUTBOX_RETENTION=0``) and commits.
+
+A crash between 2 and 3 leaves the rows pending: another relay enqueues them
+again under the same ids, and idempotent execution turns the copies into no-ops.
+A row whose event this process cannot read (an unknown event type, a payload that
+no longer matches its class) is retried with backoff, then set aside, without
+holding back the rows behind it.
+
+Between rounds the relay waits for a NOTIFY (sent by ``dispatch`` at commit) or
+its poll interval, which backs off from ``OUTBOX_POLL_INTERVAL_MIN`` to ``_MAX``
+while there is nothing to do. If PostgreSQL or Redis goes away it logs once,
+backs off and carries on when they return.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import redis
+import sqlalchemy as sa
+from dramatiq import Message
+from dramatiq.errors import BrokerConnectionError
+from pydantic import ValidationError
+
+from ..broker import Broker
+from ..events import event_type_named
+from ..registry import EVENT_QUEUE, event_actor_name
+from ..settings import OutboxSettings
+from .table import CHANNEL, OUTBOX_EVENTS
+
+T = OUTBOX_EVENTS.c
+
+#: How often published rows past their retention are purged, and how many at a time.
+PURGE_INTERVAL_S, PURGE_BATCH = 30.0, 5000
+#: Longest pause between attempts while the database or Redis is away.
+MAX_OUTAGE_BACKOFF_S = 5.0
+#: How often a waiting relay checks whether it should stop.
+STOP_CHECK_S = 0.2
+
+_OUTAGE = (
+    sa.exc.OperationalError,
+    sa.exc.InterfaceError,
+    psycopg.Error,
+    redis.RedisError,
+    BrokerConnectionError,
+    OSError,
+)
+
+
+class PoisonEvent(Exception):
+    """A row this process cannot turn into a message."""
+
+
+class Relay:
+    """Forwards committed outbox rows to the queue (see the module docstring).
+
+    Parameters:
+        engine: the database holding ``outbox_events``.
+        broker: where the events go.
+        settings: batch size, poll intervals, NOTIFY, retention, attempts.
+    """
+
+    name = "outbox relay"
+
+    def __init__(self, *, engine: sa.Engine, broker: Broker, settings: OutboxSettings) -> None:
+        self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
+        self.engine = engine
+        self.broker = broker
+        self.settings = settings
+        self._postgres = engine.dialect.name == "postgresql"
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener: psycopg.Connection[Any] | None = None
+        self._last_purge = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="gp-outbox-relay", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the current round; its transaction commits or rolls back first."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    # -- one round -----------------------------------------------------------------
+
+    def relay_once(self) -> int:
+        """Relay one batch; returns how many rows it handled (published or set back)."""
+        batch = self.settings.batch_size
+        with self.engine.begin() as conn:
+            now = sa.func.statement_timestamp() if self._postgres else _utcnow()
+            rows = conn.execute(
+                sa.select(T.id, T.event, T.payload, T.trace_context, T.attempts)
+                .where(T.published_at.is_(None), T.failed_at.is_(None), T.available_at <= now)
+                .order_by(T.available_at)
+                .limit(batch)
+                .with_for_update(skip_locked=True)
+            ).all()
+            if not rows:
+                return 0
+            messages, published, poisoned = [], [], []
+            for row in rows:
+                try:
+                    messages.append(self._message(row))
+                    published.append(row.id)
+                except PoisonEvent as exc:
+                    poisoned.append((row, str(exc)))
+            if messages:
+                self.broker.enqueue_many(messages)
+                if self.settings.retention:
+                    conn.execute(sa.update(OUTBOX_EVENTS).where(T.id.in_(published)).values(published_at=now))
+                else:
+                    conn.execute(sa.delete(OUTBOX_EVENTS).where(T.id.in_(published)))
+            for row, error in poisoned:
+                self._set_back(conn, row, error, now)
+        return len(rows)
+
+    def purge(self) -> int:
+        """Delete up to a batch of published rows past their retention."""
+        with self.engine.begin() as conn:
+            now = sa.func.now() if self._postgres else _utcnow()
+            expired = (
+                sa.select(T.id)
+                .where(T.published_at < now - self.settings.retention)
+                .limit(PURGE_BATCH)
+                .with_for_update(skip_locked=True)
+            )
+            return conn.execute(sa.delete(OUTBOX_EVENTS).where(T.id.in_(expired.scalar_subquery()))).rowcount
+
+    def _message(self, row: Any) -> Message[Any]:
+        kind = event_type_named(row.event)
+        if kind is None:
+            raise PoisonEvent(f"event type {row.event!r} is unknown here (no class declares it)")
+        try:
+            kind.decode(row.payload)
+        except ValidationError as exc:
+            raise PoisonEvent(f"payload does not match {kind.cls.__qualname__}: {exc}") from None
+        envelope: dict[str, Any] = {"id": str(row.id), "event": row.event, "data": row.payload}
+        if row.trace_context:
+            envelope["trace"] = row.trace_context
+        return Message(
+            queue_name=EVENT_QUEUE,
+            actor_name=event_actor_name(row.event),
+            args=(envelope,),
+            kwargs={},
+            options={},
+            message_id=str(row.id),
+        )
+
+    def _set_back(self, conn: sa.Connection, row: Any, error: str, now: Any) -> None:
+        attempts = row.attempts + 1
+        if attempts >= self.settings.max_attempts:
+            self.logger.error(
+                "outbox event %s (%s) set aside after %d attempts: %s; "
+                "`dramatiq-gp outbox retry %s` re-queues it",
+                row.id, row.event, attempts, error, row.id,
+            )  # fmt: skip
+            values: dict[str, Any] = {"failed_at": now}
+        else:
+            delay = timedelta(seconds=min(2**attempts, 300))
+            self.logger.warning(
+                "outbox event %s (%s) cannot be relayed (attempt %d of %d, next in %ss): %s",
+                row.id, row.event, attempts, self.settings.max_attempts, delay.seconds, error,
+            )  # fmt: skip
+            values = {"available_at": now + delay}
+        conn.execute(
+            sa.update(OUTBOX_EVENTS)
+            .where(T.id == row.id)
+            .values(attempts=attempts, last_error=error, **values)
+        )
+
+    # -- the loop ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        interval = poll_min = self.settings.poll_interval_min.total_seconds()
+        poll_max = self.settings.poll_interval_max.total_seconds()
+        outage_backoff, failing = 0.0, False
+        while not self._stopping.is_set():
+            try:
+                self._ensure_listening()
+                handled = self.relay_once()
+                if time.monotonic() - self._last_purge > PURGE_INTERVAL_S and self.settings.retention:
+                    self._last_purge = time.monotonic()
+                    self.purge()
+            except _OUTAGE as exc:
+                if not failing:
+                    self.logger.warning("outbox relay cannot reach the database or Redis, retrying: %s", exc)
+                failing = True
+                self.close()
+                outage_backoff = min(max(outage_backoff * 2, 0.1), MAX_OUTAGE_BACKOFF_S)
+                self._stopping.wait(outage_backoff)
+                continue
+            except Exception:
+                self.logger.exception("outbox relay round failed; retrying")
+                self._stopping.wait(MAX_OUTAGE_BACKOFF_S)
+                continue
+            if failing:
+                self.logger.info("outbox relay reconnected")
+                failing, outage_backoff = False, 0.0
+            if handled:
+                interval = poll_min  # there may be more; look again at once
+                continue
+            self._wait(interval)
+            interval = min(interval * 2, poll_max)
+
+    def _ensure_listening(self) -> None:
+        if self._listener is not None or not (self.settings.notify and self._postgres):
+            return
+        url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._listener = psycopg.connect(url, autocommit=True, connect_timeout=5)
+        self._listener.execute(f"LISTEN {CHANNEL}")
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep up to ``seconds``; return early on a NOTIFY or a stop."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._listener is None:
+                self._stopping.wait(min(left, STOP_CHECK_S))
+                continue
+            try:
+                if any(True for _ in self._listener.notifies(timeout=min(left, STOP_CHECK_S), stop_after=1)):
+                    # Several commits may have notified; one round serves them all.
+                    for _ in self._listener.notifies(timeout=0):
+                        pass
+                    return
+            except psycopg.Error as exc:
+                self.logger.warning(
+                    "outbox relay lost its LISTEN connection, polling until it is back: %s", exc
+                )
+                self.close()
+
+
+def _utcnow() -> datetime:
+    # SQLite stores naive timestamps; the table's defaults are UTC.
+    return datetime.now(UTC).replace(tzinfo=None)
