@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 count = outbox.retry_failed(conn, None if args.all else args.ids)
                 print(f"{count} event(s) pending again")
     except sa.exc.SQLAlchemyError as exc:
-        reason = exc.orig or exc
+        reason = getattr(exc, "orig", None) or exc
         print(f"dramatiq-gp: database error at {settings.db.display()}: {reason}", file=sys.stderr)
         return 1
     finally:
