@@ -173,9 +173,7 @@ class Broker(RedisBroker):
         if copy is not None:
             self.emit_after("enqueue", copy, plan.delay_ms)
 
-    def _warn_once(
-        self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING
-    ) -> None:
+    def _warn_once(self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING) -> None:
         """Log ``msg`` the first time ``kind`` happens to ``task_type`` in this process."""
         with self._warned_lock:
             if (kind, task_type) in self._warned:
@@ -227,9 +225,7 @@ class _Consumer(_RedisConsumer):
             while not self._ready:
                 batch = []
                 if self.outstanding_message_count < self.prefetch:
-                    batch = self.broker.do_fetch(
-                        self.queue_name, self.prefetch - self.outstanding_message_count
-                    )
+                    batch = self.broker.do_fetch(self.queue_name, self.prefetch - self.outstanding_message_count)
                 if not batch:
                     # As Dramatiq does: poll less and less often while idle, up to the timeout.
                     self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)

@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.json:
                         print(json.dumps({**vars(event), "id": str(event.id)}, default=str))
                     else:
-                        print(
-                            f"{event.id}  {event.event}  attempts={event.attempts}  failed={event.failed_at}"
-                        )
+                        print(f"{event.id}  {event.event}  attempts={event.attempts}  failed={event.failed_at}")
                         print(f"    {event.last_error}")
             else:
                 count = outbox.retry_failed(conn, None if args.all else args.ids)

@@ -43,9 +43,7 @@ class EventType:
                 does not match its annotation.
         """
         if not isinstance(event, self.cls):
-            raise EventEncodeError(
-                f"expected a {self.cls.__qualname__} for event {self.name!r}, got {event!r}"
-            )
+            raise EventEncodeError(f"expected a {self.cls.__qualname__} for event {self.name!r}, got {event!r}")
         try:
             return self.adapter.dump_python(event, mode="json", warnings="error")
         except PydanticSerializationError as exc:
@@ -102,9 +100,7 @@ def event_type(event_or_class: object) -> EventType:
     cls = event_or_class if isinstance(event_or_class, type) else type(event_or_class)
     declared = cls.__dict__.get("__gp_event__")
     if declared is None:
-        raise EventError(
-            f"{cls.__qualname__} is not an event type: decorate it with @dramatiq_gp.event('some.name')"
-        )
+        raise EventError(f"{cls.__qualname__} is not an event type: decorate it with @dramatiq_gp.event('some.name')")
     return declared  # type: ignore[no-any-return]
 
 

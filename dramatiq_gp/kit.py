@@ -84,9 +84,7 @@ class Kit:
         global _current
         self.settings = settings if settings is not None else Settings.from_env()
         telemetry.bootstrap(self.settings.log)
-        logger.info(
-            "start-up: telemetry ready (log level %s)", logging.getLevelName(logging.getLogger().level)
-        )
+        logger.info("start-up: telemetry ready (log level %s)", logging.getLevelName(logging.getLogger().level))
         self._closers = Closers()
         self._producers: list[Producer] = []
         self.broker = self._build_broker(dict(broker_options or {}), middleware)
@@ -127,9 +125,7 @@ class Kit:
     def dispatch(self, event: object, /, *, envelope_id: str | None = None) -> str: ...
 
     @overload
-    def dispatch(
-        self, target: Session | sa.Connection, event: object, /, *, envelope_id: str | None = None
-    ) -> str: ...
+    def dispatch(self, target: Session | sa.Connection, event: object, /, *, envelope_id: str | None = None) -> str: ...
 
     def dispatch(self, *args: Any, envelope_id: str | None = None) -> str:
         """Dispatch an event to its listeners; returns the envelope (event) id.
@@ -165,9 +161,7 @@ class Kit:
         try:
             self.broker.client.ping()
         except redis.RedisError as exc:
-            raise BrokerUnreachable(
-                f"Redis/Valkey unreachable at {self.settings.queue.display()}: {exc}"
-            ) from None
+            raise BrokerUnreachable(f"Redis/Valkey unreachable at {self.settings.queue.display()}: {exc}") from None
         logger.info("start-up: broker reachable at %s", self.settings.queue.display())
 
     def _build_broker(self, options: dict[str, Any], extra: Sequence[Middleware]) -> Broker:

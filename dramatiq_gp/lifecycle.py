@@ -113,8 +113,7 @@ class Lifecycle(Middleware):
             ignored = sorted(q for q in broker.get_declared_queues() if q not in self.queues)
             if ignored:
                 self.logger.warning(
-                    "queues %s have actors here but are not in WORKER_QUEUES; "
-                    "this worker will not consume them",
+                    "queues %s have actors here but are not in WORKER_QUEUES; this worker will not consume them",
                     ", ".join(ignored),
                 )
 

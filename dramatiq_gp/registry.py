@@ -217,9 +217,7 @@ def _check_handler(where: str, handler: object) -> None:
     try:
         inspect.signature(handler).bind(object())
     except TypeError as exc:
-        raise RegistrationError(
-            f"{where}: the handler must take the event as its one argument ({exc})"
-        ) from None
+        raise RegistrationError(f"{where}: the handler must take the event as its one argument ({exc})") from None
     except ValueError:  # builtins without a signature
         pass
 

@@ -17,6 +17,7 @@ from typing import Any
 import dramatiq
 import pytest
 import redis
+import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -39,8 +40,28 @@ def redis_url(service_env: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="session")
-def database_url(service_env: dict[str, str]) -> str:
-    return service_env["DB_URL"]
+def database_url(service_env: dict[str, str]) -> Iterator[str]:
+    """A database of this test session's own on the PostgreSQL server, dropped at the end."""
+    server = sa.make_url(service_env["DB_URL"])
+    name = f"gpt_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    yield server.set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
+    admin.dispose()
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[sa.Engine]:
+    """An engine on the session database with an empty outbox table."""
+    engine = sa.create_engine(database_url)
+    gp.outbox.migrate(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"TRUNCATE {gp.outbox.TABLE_NAME}"))
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture
@@ -78,9 +99,7 @@ def make_kit(clean_env: pytest.MonkeyPatch, namespace: str) -> Iterator[MakeKit]
     """Build Kits on this test's namespace, with a fresh registry and ``env`` applied."""
     kits: list[gp.Kit] = []
 
-    def make(
-        register: gp.RegisterFunc | None = None, env: dict[str, str] | None = None, **kwargs: Any
-    ) -> gp.Kit:
+    def make(register: gp.RegisterFunc | None = None, env: dict[str, str] | None = None, **kwargs: Any) -> gp.Kit:
         for name, value in (env or {}).items():
             clean_env.setenv(name, value)
         kwargs.setdefault("registry", gp.Registry())

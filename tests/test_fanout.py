@@ -45,9 +45,7 @@ def test_dispatch_fans_out_to_every_listener_each_on_its_own_queue(make_kit, sta
 
     def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
         for queue in ("billing", "mail", "stock"):
-            registry.listen(
-                OrderPlaced, lambda event, q=queue: seen[q].append(event), name=f"to_{queue}", queue=queue
-            )
+            registry.listen(OrderPlaced, lambda event, q=queue: seen[q].append(event), name=f"to_{queue}", queue=queue)
 
     kit = make_kit(register)
     envelope_id = kit.dispatch(ORDER)

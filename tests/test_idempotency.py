@@ -18,9 +18,7 @@ class Ping:
 
 
 def _kit_with(make_kit, handler, env=None, **options):
-    return make_kit(
-        lambda registry, schedule: registry.listen(Ping, handler, name="handler", **options), env=env
-    )
+    return make_kit(lambda registry, schedule: registry.listen(Ping, handler, name="handler", **options), env=env)
 
 
 def test_a_duplicate_of_a_completed_message_is_skipped_with_one_warning(make_kit, start_worker, caplog):
@@ -146,9 +144,7 @@ def test_plain_actors_are_not_checked(make_kit, start_worker, rdb, namespace):
     assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
 
 
-def test_messages_claimed_but_not_started_at_shutdown_are_requeued_with_their_claims_freed(
-    make_kit, rdb, namespace
-):
+def test_messages_claimed_but_not_started_at_shutdown_are_requeued_with_their_claims_freed(make_kit, rdb, namespace):
     import dramatiq
 
     started: list[int] = []

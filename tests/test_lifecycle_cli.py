@@ -42,9 +42,7 @@ class Dramatiq:
             "2",
         ]
         with open(self.log_file, "w") as log:
-            self.process = subprocess.Popen(
-                command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT
-            )
+            self.process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
 
     @property
     def log(self) -> str:

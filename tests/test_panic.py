@@ -97,9 +97,7 @@ def test_a_worker_thread_killed_outside_the_handler_is_replaced(make_kit, start_
 
     handled: list[str] = []
     kit = make_kit(
-        lambda registry, schedule: registry.listen(
-            Boom, lambda event: handled.append(event.kind), name="victim"
-        ),
+        lambda registry, schedule: registry.listen(Boom, lambda event: handled.append(event.kind), name="victim"),
         middleware=[KillsItsThread()],
     )
     previous_hook = threading.excepthook

@@ -39,18 +39,13 @@ def test_a_task_logs_started_and_done_with_its_fields(make_kit, start_worker, ca
     started, done = _records(caplog)
     (task_id,) = [m.message_id for m in kit.registry.fan_out(Job(False), envelope_id)]
     assert started.levelno == logging.INFO
-    assert (
-        started.getMessage()
-        == f"task started task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1"
-    )
+    assert started.getMessage() == f"task started task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1"
     assert (started.task_type, started.task_id, started.attempt) == (
         "listener:test.tasklog.job:ok",
         task_id,
         1,
     )
-    assert done.getMessage().startswith(
-        f"task done task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1"
-    )
+    assert done.getMessage().startswith(f"task done task_type=listener:test.tasklog.job:ok task_id={task_id} attempt=1")
     assert done.duration_ms >= 0
 
 

@@ -45,8 +45,7 @@ def test_unknown_task_types_are_acked_and_skipped_with_one_warning_per_type(
     warnings = messages_of(caplog, "", logging.WARNING)
     assert len(warnings) == 2, warnings
     assert (
-        "'listener:test.unknown.known:removed'" in warnings[0]
-        or "'listener:test.unknown.known:removed'" in warnings[1]
+        "'listener:test.unknown.known:removed'" in warnings[0] or "'listener:test.unknown.known:removed'" in warnings[1]
     )
     assert all("no handler registered" in w for w in warnings)
     assert rdb.zcard(f"{namespace}:default.XQ") == 0
@@ -81,9 +80,7 @@ def test_after_the_grace_period_an_unknown_task_is_skipped(make_kit, start_worke
     caplog.set_level(logging.INFO)
     kit.broker.enqueue(_orphan("listener:test.unknown.known:gone"))
     start_worker(kit)
-    wait_for(
-        lambda: any("no handler registered" in m for m in messages_of(caplog, "", logging.WARNING)), timeout=5
-    )
+    wait_for(lambda: any("no handler registered" in m for m in messages_of(caplog, "", logging.WARNING)), timeout=5)
     wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") + rdb.hlen(f"{namespace}:default.DQ.msgs") == 0)
     assert any("holding its messages" in m for m in messages_of(caplog, "dramatiq_gp", logging.INFO))
     assert rdb.zcard(f"{namespace}:default.XQ") == 0

@@ -142,9 +142,7 @@ class IdempotentExecution(Middleware):
             try:
                 result = self._claim(keys=[key], args=[self.lease_ms, token])
             except redis.RedisError as exc:
-                raise ClaimUnavailable(
-                    f"cannot check whether message {message.message_id} ran: {exc}"
-                ) from exc
+                raise ClaimUnavailable(f"cannot check whether message {message.message_id} ran: {exc}") from exc
             state = self._record(message, key, token, *result)
         if state[0] == _CLAIMED:
             return

@@ -58,9 +58,7 @@ class PanicRecovery(Middleware):
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         self._stop.clear()
-        threading.Thread(
-            target=self._supervise, args=(worker,), name="gp-thread-supervisor", daemon=True
-        ).start()
+        threading.Thread(target=self._supervise, args=(worker,), name="gp-thread-supervisor", daemon=True).start()
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         # Threads stop on purpose from here on.

@@ -44,7 +44,5 @@ def retry_failed(conn: sa.Connection, ids: Sequence[uuid.UUID | str] | None = No
     query = sa.update(OUTBOX_EVENTS).where(T.failed_at.is_not(None))
     if ids is not None:
         query = query.where(T.id.in_([uuid.UUID(str(i)) for i in ids]))
-    result = conn.execute(
-        query.values(failed_at=None, attempts=0, last_error=None, available_at=sa.func.now())
-    )
+    result = conn.execute(query.values(failed_at=None, attempts=0, last_error=None, available_at=sa.func.now()))
     return result.rowcount

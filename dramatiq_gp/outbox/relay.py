@@ -189,9 +189,7 @@ class Relay:
             )  # fmt: skip
             values = {"available_at": now + delay}
         conn.execute(
-            sa.update(OUTBOX_EVENTS)
-            .where(T.id == row.id)
-            .values(attempts=attempts, last_error=error, **values)
+            sa.update(OUTBOX_EVENTS).where(T.id == row.id).values(attempts=attempts, last_error=error, **values)
         )
 
     # -- the loop ------------------------------------------------------------------
@@ -252,9 +250,7 @@ class Relay:
                         pass
                     return
             except psycopg.Error as exc:
-                self.logger.warning(
-                    "outbox relay lost its LISTEN connection, polling until it is back: %s", exc
-                )
+                self.logger.warning("outbox relay lost its LISTEN connection, polling until it is back: %s", exc)
                 self.close()
 
 

@@ -29,9 +29,7 @@ def outbox_table(metadata: sa.MetaData, *, schema: str | None = None) -> sa.Tabl
         sa.Column("event", sa.String(200), nullable=False),
         sa.Column("payload", _JSON, nullable=False),
         # W3C traceparent/tracestate of the dispatching code.
-        sa.Column(
-            "trace_context", sa.JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
-        ),
+        sa.Column("trace_context", sa.JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
         sa.Column("available_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
         sa.Column("published_at", sa.DateTime(timezone=True)),
@@ -45,9 +43,7 @@ def outbox_table(metadata: sa.MetaData, *, schema: str | None = None) -> sa.Tabl
             postgresql_where=sa.text(_PENDING),
             sqlite_where=sa.text(_PENDING),
         ),
-        sa.Index(
-            f"{TABLE_NAME}_published", "published_at", postgresql_where=sa.text("published_at IS NOT NULL")
-        ),
+        sa.Index(f"{TABLE_NAME}_published", "published_at", postgresql_where=sa.text("published_at IS NOT NULL")),
         sa.Index(f"{TABLE_NAME}_failed", "failed_at", postgresql_where=sa.text("failed_at IS NOT NULL")),
         schema=schema,
         # Rows are inserted, updated once and deleted: vacuum early rather than bloat.

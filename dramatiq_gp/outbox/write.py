@@ -41,9 +41,7 @@ def write(target: Session | sa.Connection, event: object, *, envelope_id: str | 
     data = kind.encode(event)
     conn = target.connection() if isinstance(target, Session) else target
     event_id = uuid.UUID(envelope_id) if envelope_id else uuid.uuid4()
-    conn.execute(
-        _INSERT, {"id": event_id, "event": kind.name, "payload": data, "trace_context": current_carrier()}
-    )
+    conn.execute(_INSERT, {"id": event_id, "event": kind.name, "payload": data, "trace_context": current_carrier()})
     if conn.dialect.name == "postgresql" and _notify_enabled():
         transaction = conn.get_transaction()
         if conn.info.get(_NOTIFIED) is not transaction:

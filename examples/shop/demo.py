@@ -54,12 +54,8 @@ def main() -> int:
     threading.Thread(target=_stream, args=(worker, lines), daemon=True).start()
     try:
         _wait_until(lambda: any("start-up: consumers started" in line for line in lines), 60, "the worker")
-        print(
-            f"== placing {ORDERS} orders: each order and its OrderPlaced event in one transaction", flush=True
-        )
-        subprocess.run(
-            [sys.executable, "-m", "examples.shop.place_orders", str(ORDERS)], cwd=ROOT, check=True
-        )
+        print(f"== placing {ORDERS} orders: each order and its OrderPlaced event in one transaction", flush=True)
+        subprocess.run([sys.executable, "-m", "examples.shop.place_orders", str(ORDERS)], cwd=ROOT, check=True)
 
         def count(table: sa.Table) -> int:
             with engine.connect() as conn:

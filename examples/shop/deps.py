@@ -25,9 +25,7 @@ class Mailer:
         try:
             with self.engine.begin() as conn:
                 conn.execute(
-                    sent_emails.insert().values(
-                        dedup_key=dedup_key, recipient=recipient, subject=subject, body=body
-                    )
+                    sent_emails.insert().values(dedup_key=dedup_key, recipient=recipient, subject=subject, body=body)
                 )
         except IntegrityError:
             logger.info("mail %s was already sent", dedup_key)

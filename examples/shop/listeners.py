@@ -37,7 +37,5 @@ def record_sale(deps: Dependencies) -> Callable[[OrderPlaced], None]:
 
 
 def register(registry: gp.Registry, deps: Dependencies) -> None:
-    registry.listen(
-        OrderPlaced, send_confirmation(deps), name="send_confirmation", queue="mail", max_retries=10
-    )
+    registry.listen(OrderPlaced, send_confirmation(deps), name="send_confirmation", queue="mail", max_retries=10)
     registry.listen(OrderPlaced, record_sale(deps), name="record_sale")

@@ -29,9 +29,7 @@ def main(count: int) -> None:
     first = random.randrange(10_000, 90_000)
     for order_id in range(first, first + count):
         with Session(engine) as session, session.begin():
-            event_id = place_order(
-                session, order_id, f"customer{order_id}@example.com", random.randrange(500, 20_000)
-            )
+            event_id = place_order(session, order_id, f"customer{order_id}@example.com", random.randrange(500, 20_000))
         print(f"placed order {order_id} (event {event_id})")
     engine.dispose()
 

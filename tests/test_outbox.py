@@ -1,0 +1,297 @@
+"""The transactional outbox against real PostgreSQL and Redis: dispatch, relay, NOTIFY, poison rows."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from opentelemetry.sdk.trace import TracerProvider
+from sqlalchemy.orm import Session
+
+import dramatiq_gp as gp
+from dramatiq_gp.outbox import OUTBOX_EVENTS
+from helpers import wait_for
+
+T = OUTBOX_EVENTS.c
+
+
+@gp.event("test.outbox.paid")
+@dataclass(frozen=True)
+class Paid:
+    invoice: int
+
+
+@gp.event("test.outbox.thanked")
+@dataclass(frozen=True)
+class Thanked:
+    invoice: int
+
+
+@gp.event("test.outbox.loose")
+@dataclass(frozen=True)
+class Loose:
+    value: Any
+
+
+def _queued(rdb, namespace: str, queue: str = "default") -> list[dict[str, Any]]:
+    return [json.loads(v) for v in rdb.hvals(f"{namespace}:{queue}.msgs")]
+
+
+def _rows(engine: sa.Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(OUTBOX_EVENTS).order_by(T.created_at)).all()
+
+
+@pytest.fixture
+def outbox_kit(make_kit, engine):
+    """A kit on the test database whose relay we drive by hand (no worker, no thread)."""
+
+    def make(register=None, env=None):
+        return make_kit(register, env=env, engine=engine)
+
+    return make
+
+
+@pytest.mark.parametrize("style", ["session", "connection"])
+def test_rollback_means_the_event_never_existed(style, outbox_kit, engine, rdb, namespace):
+    kit = outbox_kit()
+    if style == "session":
+        with Session(engine) as session:
+            gp.dispatch(session, Paid(1))
+            session.rollback()
+    else:
+        with engine.connect() as conn:
+            gp.dispatch(conn, Paid(1))
+            conn.rollback()
+    assert _rows(engine) == []
+    assert kit.relay.relay_once() == 0
+    assert _queued(rdb, namespace) == []
+
+
+@pytest.mark.parametrize("style", ["session", "connection"])
+def test_a_committed_event_is_relayed_under_its_own_id(style, outbox_kit, engine, rdb, namespace):
+    kit = outbox_kit()
+    if style == "session":
+        with Session(engine) as session, session.begin():
+            event_id = gp.dispatch(session, Paid(7))
+            assert kit.relay.relay_once() == 0  # nothing is visible before commit
+    else:
+        with engine.begin() as conn:
+            event_id = kit.dispatch(conn, Paid(7))
+    assert _queued(rdb, namespace) == []
+    assert kit.relay.relay_once() == 1
+    (message,) = _queued(rdb, namespace)
+    assert message["message_id"] == event_id
+    assert message["actor_name"] == "event:test.outbox.paid"
+    assert message["args"] == [{"id": event_id, "event": "test.outbox.paid", "data": {"invoice": 7}}]
+    (row,) = _rows(engine)
+    assert row.published_at is not None
+    assert kit.relay.relay_once() == 0
+
+
+def test_an_encoding_error_raises_at_dispatch_and_writes_nothing(outbox_kit, engine):
+    outbox_kit()
+    with Session(engine) as session, session.begin(), pytest.raises(gp.EventEncodeError):
+        gp.dispatch(session, Loose(object()))
+    assert _rows(engine) == []
+
+
+def test_events_committed_out_of_order_are_all_delivered(outbox_kit, engine, rdb, namespace):
+    kit = outbox_kit()
+    first = engine.connect()
+    first_id = gp.dispatch(first, Paid(1))  # written first, committed last
+    with engine.begin() as second:
+        second_id = gp.dispatch(second, Paid(2))
+    assert kit.relay.relay_once() == 1
+    first.commit()
+    first.close()
+    assert kit.relay.relay_once() == 1
+    assert sorted(m["message_id"] for m in _queued(rdb, namespace)) == sorted([first_id, second_id])
+
+
+def test_end_to_end_through_a_worker_and_a_listener_that_dispatches(make_kit, engine, start_worker):
+    paid: list[Paid] = []
+    thanked: list[Thanked] = []
+
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        def on_paid(event: Paid) -> None:
+            paid.append(event)
+            with engine.begin() as conn:  # the listener's own transaction
+                gp.dispatch(conn, Thanked(event.invoice))
+
+        registry.listen(Paid, on_paid)
+        registry.listen(Thanked, thanked.append, name="collect", queue="other")
+
+    kit = make_kit(register, engine=engine)
+    start_worker(kit)
+    with Session(engine) as session, session.begin():
+        gp.dispatch(session, Paid(3))
+    wait_for(lambda: thanked == [Thanked(3)])
+    assert paid == [Paid(3)]
+    # The kit's own dispatch is outbox-backed too when it has a database.
+    kit.dispatch(Thanked(4))
+    wait_for(lambda: thanked == [Thanked(3), Thanked(4)])
+    assert all(row.published_at is not None for row in _rows(engine))
+
+
+def test_a_poison_row_is_set_aside_without_holding_back_the_rest(outbox_kit, engine, rdb, namespace, caplog):
+    kit = outbox_kit(env={"OUTBOX_MAX_ATTEMPTS": "2"})
+    with engine.begin() as conn:
+        conn.execute(OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event="test.outbox.nobody", payload={}))
+        conn.execute(OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event="test.outbox.paid", payload={"x": 1}))
+        good = [gp.dispatch(conn, Paid(n)) for n in range(3)]
+    assert kit.relay.relay_once() == 5
+    assert sorted(m["message_id"] for m in _queued(rdb, namespace)) == sorted(good)
+    bad = [row for row in _rows(engine) if row.published_at is None]
+    assert {row.attempts for row in bad} == {1}
+    assert {row.last_error.split(" ")[0] for row in bad} == {"event", "payload"}
+    assert kit.relay.relay_once() == 0  # backing off
+
+    with engine.begin() as conn:  # time passes
+        conn.execute(sa.update(OUTBOX_EVENTS).values(available_at=sa.func.now() - sa.text("interval '1 second'")))
+    assert kit.relay.relay_once() == 2
+    with engine.connect() as conn:
+        failed = gp.outbox.failed_events(conn)
+    assert sorted(e.event for e in failed) == ["test.outbox.nobody", "test.outbox.paid"]
+    assert "is unknown here" in next(e.last_error for e in failed if e.event == "test.outbox.nobody")
+    assert "set aside after 2 attempts" in caplog.text
+
+    with engine.begin() as conn:
+        assert gp.outbox.retry_failed(conn, [failed[0].id]) == 1
+    assert {row.failed_at is None for row in _rows(engine) if row.id == failed[0].id} == {True}
+
+
+def test_one_notify_per_transaction_and_none_when_switched_off(outbox_kit, engine, database_url):
+    listener = psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True)
+    listener.execute(f"LISTEN {gp.outbox.CHANNEL}")
+
+    def notifications() -> int:
+        return sum(1 for _ in listener.notifies(timeout=0.3))
+
+    outbox_kit()
+    with Session(engine) as session, session.begin():
+        for n in range(5):
+            gp.dispatch(session, Paid(n))
+    with engine.begin() as conn:
+        gp.dispatch(conn, Paid(9))
+    assert notifications() == 2
+
+    outbox_kit(env={"OUTBOX_NOTIFY": "false"})
+    with engine.begin() as conn:
+        gp.dispatch(conn, Paid(10))
+    assert notifications() == 0
+    listener.close()
+
+
+@pytest.mark.parametrize("notify", ["true", "false"])
+def test_the_relay_thread_delivers_with_and_without_notify(notify, outbox_kit, engine, rdb, namespace):
+    kit = outbox_kit(env={"OUTBOX_NOTIFY": notify, "OUTBOX_POLL_INTERVAL_MAX": "200ms"})
+    kit.relay.start()
+    try:
+        time.sleep(0.5)  # idle: the relay backs off to its longest poll interval
+        started = time.monotonic()
+        with engine.begin() as conn:
+            event_id = gp.dispatch(conn, Paid(1))
+        wait_for(lambda: [m["message_id"] for m in _queued(rdb, namespace)] == [event_id], timeout=5)
+        latency = time.monotonic() - started
+    finally:
+        kit.relay.stop()
+        kit.relay.close()
+    assert latency < (0.1 if notify == "true" else 1.0)
+
+
+def test_retention_zero_deletes_rows_as_they_are_published(outbox_kit, engine, rdb, namespace):
+    kit = outbox_kit(env={"OUTBOX_RETENTION": "0"})
+    with engine.begin() as conn:
+        gp.dispatch(conn, Paid(1))
+    assert kit.relay.relay_once() == 1
+    assert _rows(engine) == []
+    assert len(_queued(rdb, namespace)) == 1
+
+
+def test_published_rows_are_purged_after_their_retention(outbox_kit, engine):
+    kit = outbox_kit(env={"OUTBOX_RETENTION": "1h"})
+    with engine.begin() as conn:
+        for n in range(3):
+            gp.dispatch(conn, Paid(n))
+    kit.relay.relay_once()
+    assert kit.relay.purge() == 0
+    with engine.begin() as conn:
+        conn.execute(sa.update(OUTBOX_EVENTS).values(published_at=sa.func.now() - sa.text("interval '2 hours'")))
+        gp.dispatch(conn, Paid(4))  # pending: never purged
+    assert kit.relay.purge() == 3
+    assert len(_rows(engine)) == 1
+
+
+def test_the_dispatching_trace_context_is_stored_and_travels_with_the_event(outbox_kit, engine, rdb, namespace):
+    kit = outbox_kit()
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("http request") as span, engine.begin() as conn:
+        gp.dispatch(conn, Paid(1))
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    (row,) = _rows(engine)
+    assert trace_id in row.trace_context["traceparent"]
+    kit.relay.relay_once()
+    (message,) = _queued(rdb, namespace)
+    assert message["args"][0]["trace"] == row.trace_context
+
+
+def test_relays_racing_in_threads_publish_each_event_once(outbox_kit, engine, rdb, namespace):
+    kit = outbox_kit(env={"OUTBOX_BATCH_SIZE": "50"})
+    with engine.begin() as conn:
+        ids = [gp.dispatch(conn, Paid(n)) for n in range(1000)]
+    relays = [gp.outbox.Relay(engine=engine, broker=kit.broker, settings=kit.settings.outbox) for _ in range(4)]
+
+    def drain(relay: gp.outbox.Relay) -> None:
+        while relay.relay_once():
+            pass
+
+    threads = [threading.Thread(target=drain, args=(relay,)) for relay in relays]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    queued = [m["message_id"] for m in _queued(rdb, namespace)]
+    assert len(queued) == len(set(queued)) == 1000
+    assert set(queued) == set(ids)
+
+
+def test_sqlite_works_for_a_single_relay(make_kit, tmp_path, rdb, namespace):
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'demo.db'}")
+    gp.outbox.migrate(engine)
+    kit = make_kit(engine=engine)
+    with Session(engine) as session, session.begin():
+        event_id = gp.dispatch(session, Paid(1))
+    assert kit.relay.relay_once() == 1
+    assert [m["message_id"] for m in _queued(rdb, namespace)] == [event_id]
+    assert kit.relay.relay_once() == 0
+    engine.dispose()
+
+
+def test_the_command_line_migrates_lists_and_retries(clean_env, database_url, engine, capsys):
+    from dramatiq_gp.cli import main
+
+    clean_env.setenv("DB_URL", database_url)
+    assert main(["migrate", "up"]) == 0
+    assert main(["migrate", "up"]) == 0  # again: nothing to do
+    with engine.begin() as conn:
+        conn.execute(
+            OUTBOX_EVENTS.insert().values(
+                id=uuid.uuid4(), event="x.y", payload={}, failed_at=sa.func.now(), last_error="boom", attempts=10
+            )
+        )
+    capsys.readouterr()
+    assert main(["outbox", "failed"]) == 0
+    assert "x.y  attempts=10" in capsys.readouterr().out
+    assert main(["outbox", "retry", "--all"]) == 0
+    assert "1 event(s) pending again" in capsys.readouterr().out
+    clean_env.delenv("DB_URL")
+    assert main(["outbox", "failed"]) == 2
+    assert "set DB_URL" in capsys.readouterr().err
