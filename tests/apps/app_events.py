@@ -11,3 +11,9 @@ import dramatiq_gp as gp
 @dataclass(frozen=True)
 class Slow:
     seconds: float
+
+
+@gp.event("test.app.numbered")
+@dataclass(frozen=True)
+class Numbered:
+    n: int
