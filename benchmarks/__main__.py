@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("overhead",)
+BENCHMARKS = ("overhead", "relay", "latency")
 
 
 def main(argv: list[str]) -> int:
