@@ -18,14 +18,23 @@ from .events import EventType, event, event_type
 from .kit import Kit, RegisterFunc, current_kit, dispatch
 from .middleware import ClaimUnavailable, IdempotentExecution, PanicRecovery, TaskLog
 from .registry import Listener, Registry, default_registry, fan_out_id, listener
-from .scheduler import Schedule
-from .settings import DatabaseSettings, LogSettings, OutboxSettings, QueueSettings, Settings, WorkerSettings
+from .scheduler import CronError, Schedule, ScheduleError
+from .settings import (
+    DatabaseSettings,
+    LogSettings,
+    OutboxSettings,
+    QueueSettings,
+    SchedulerSettings,
+    Settings,
+    WorkerSettings,
+)
 
 __all__ = [
     "Broker",
     "BrokerUnreachable",
     "ClaimUnavailable",
     "ConfigError",
+    "CronError",
     "DatabaseSettings",
     "EventEncodeError",
     "EventError",
@@ -43,6 +52,8 @@ __all__ = [
     "RegistrationError",
     "Registry",
     "Schedule",
+    "ScheduleError",
+    "SchedulerSettings",
     "Settings",
     "TaskLog",
     "WorkerSettings",

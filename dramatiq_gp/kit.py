@@ -35,7 +35,7 @@ from .errors import BrokerUnreachable, GPError
 from .lifecycle import Closer, Closers, Lifecycle, Producer
 from .middleware import IdempotentExecution, PanicRecovery, TaskLog
 from .registry import Registry, default_registry
-from .scheduler import Schedule
+from .scheduler import Runner, Schedule
 from .settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -105,9 +105,19 @@ class Kit:
                 self._closers.kit.append((self.relay.name, self.relay.close))
         self.registry = registry if registry is not None else default_registry
         self.registry.bind(self.broker)
-        self.schedule = Schedule()
+        self.schedule = Schedule(self.settings.scheduler.timezone, known_options=self.broker.actor_options)
         if register is not None:
             register(self.registry, self.schedule)
+        self.scheduler: Runner | None = None
+        if self.schedule:  # an empty schedule starts no leader election
+            self.scheduler = Runner(
+                schedule=self.schedule,
+                broker=self.broker,
+                registry=self.registry,
+                settings=self.settings.scheduler,
+                namespace=self.settings.scheduler.namespace or self.broker.namespace,
+            )
+            self._producers.insert(0, self.scheduler)
         listeners = self.registry.listeners()
         logger.info(
             "start-up: registered %d listener(s) for %d event type(s), %d schedule entr%s",

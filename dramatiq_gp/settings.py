@@ -12,8 +12,9 @@ import logging
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -226,6 +227,40 @@ class OutboxSettings(BaseSettings):
         return self
 
 
+def _zone_name(value: object) -> str:
+    name = str(value).strip()
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"{name!r} is not an IANA time zone (e.g. UTC, Europe/Budapest)") from None
+    return name
+
+
+class SchedulerSettings(BaseSettings):
+    """``SCHEDULER_*``: the time zone of the schedule, the leader lease, the catch-up policy."""
+
+    model_config = SettingsConfigDict(env_prefix="SCHEDULER_", extra="ignore")
+
+    #: IANA zone in which cron specs are evaluated.
+    timezone: Annotated[str, BeforeValidator(_zone_name)] = "UTC"
+    #: How long a leader's lease lasts without renewal; it renews every third of it.
+    lease_ttl: Duration = timedelta(seconds=15)
+    #: Prefix of the scheduler's keys; unset means ``VALKEY_NAMESPACE``.
+    namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-:]+$")
+    #: What a new leader does with ticks missed during a takeover.
+    catchup: Literal["none", "latest", "all"] = "latest"
+    #: Missed ticks older than this are never fired late.
+    catchup_grace: Duration = timedelta(hours=1)
+    #: With ``all``, at most this many missed ticks per entry are fired.
+    catchup_max: int = Field(default=100, ge=1)
+
+    @model_validator(mode="after")
+    def _lease_bounds(self) -> SchedulerSettings:
+        if self.lease_ttl < timedelta(seconds=1):
+            raise ValueError("SCHEDULER_LEASE_TTL must be at least 1s")
+        return self
+
+
 class LogSettings(BaseSettings):
     """``LOG_*``: log level (JSON output and trace correlation come with telemetry)."""
 
@@ -255,6 +290,7 @@ class Settings:
     log: LogSettings = field(default_factory=lambda: LogSettings())
     db: DatabaseSettings = field(default_factory=lambda: DatabaseSettings())
     outbox: OutboxSettings = field(default_factory=lambda: OutboxSettings())
+    scheduler: SchedulerSettings = field(default_factory=lambda: SchedulerSettings())
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -273,10 +309,11 @@ class Settings:
                 return None
 
         worker, queue, log = load(WorkerSettings), load(QueueSettings), load(LogSettings)
-        db, outbox = load(DatabaseSettings), load(OutboxSettings)
-        if problems or worker is None or queue is None or log is None or db is None or outbox is None:
+        db, outbox, scheduler = load(DatabaseSettings), load(OutboxSettings), load(SchedulerSettings)
+        groups = (worker, queue, log, db, outbox, scheduler)
+        if problems or any(group is None for group in groups):
             raise ConfigError("invalid configuration: " + "; ".join(problems))
-        return cls(worker=worker, queue=queue, log=log, db=db, outbox=outbox)
+        return cls(*groups)  # type: ignore[arg-type]
 
 
 def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:

@@ -1,13 +1,14 @@
-"""The schedule the elected leader fires. Entries arrive with the scheduler capability."""
+"""The scheduler: a Schedule built in code, fired by one elected leader among the workers.
 
-from __future__ import annotations
+* :mod:`.cron`: standard cron, descriptors, ``@every`` and the DST policy;
+* :mod:`.schedule`: the fluent :class:`Schedule` and its entries;
+* :mod:`.lease`: the leader lease on Redis;
+* :mod:`.runner`: firing ticks exactly once, and catching up after a takeover.
+"""
 
+from .cron import CronError
+from .lease import Lease
+from .runner import Runner, tick_message_id
+from .schedule import Entry, Schedule, ScheduleError
 
-class Schedule:
-    """Cron entries, built in code by the register callback. Empty: no leader election runs."""
-
-    def __init__(self) -> None:
-        self.entries: list[object] = []
-
-    def __len__(self) -> int:
-        return len(self.entries)
+__all__ = ["CronError", "Entry", "Lease", "Runner", "Schedule", "ScheduleError", "tick_message_id"]

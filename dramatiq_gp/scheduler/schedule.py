@@ -1,0 +1,214 @@
+"""The Schedule: built fluently in code, every method returns the schedule.
+
+Two kinds of entries:
+
+* an **event schedule** (:meth:`Schedule.every`, :meth:`~Schedule.daily_at`,
+  :meth:`~Schedule.cron`): each firing dispatches the event afresh, fanned out to
+  all its listeners exactly like a dispatch at run time (task type ``schedule:<event>``);
+* a **job schedule** (:meth:`Schedule.job`): one named handler, no fan-out
+  (task type ``job:<name>``).
+
+Everything is checked as the entry is added: the spec, the zone, the name, the
+handler's shape, the options; the error names the entry.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, overload
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from ..durations import format_duration
+from ..errors import EventEncodeError, EventError, GPError
+from ..events import NAME, EventType, event_type
+from ..settings import QUEUE_NAME
+from .cron import CronError, Spec, parse
+
+_HH_MM = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
+
+JobHandler = Callable[..., object]
+
+
+class ScheduleError(GPError, ValueError):
+    """A schedule entry is malformed; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One line of the schedule."""
+
+    name: str
+    spec: Spec
+    zone: ZoneInfo
+    queue: str
+    #: Options of the message enqueued at each firing (``max_retries``, ``time_limit``...).
+    options: Mapping[str, Any]
+    #: Event schedules: the event's type and encoded payload.
+    event: EventType | None = None
+    payload: Any = None
+    #: Job schedules: the handler, and whether it takes the scheduled time.
+    handler: JobHandler | None = None
+    takes_time: bool = False
+
+    @property
+    def actor_name(self) -> str:
+        return f"job:{self.name}" if self.handler is not None else f"schedule:{self.event.name}"  # type: ignore[union-attr]
+
+    def next_after(self, after: datetime) -> datetime:
+        return self.spec.next_after(after, self.zone)
+
+
+class Schedule:
+    """What the elected leader fires. An empty schedule starts no leader election.
+
+    Parameters:
+        timezone: the IANA zone specs are evaluated in (``SCHEDULER_TIMEZONE``).
+        known_options: option names a message may carry (the Kit passes the broker's).
+    """
+
+    def __init__(self, timezone: str = "UTC", *, known_options: set[str] | None = None) -> None:
+        self.zone = _zone(timezone, "the schedule")
+        self._known_options = known_options
+        self._entries: dict[str, Entry] = {}
+
+    def every(self, interval: timedelta, event: object, *, name: str | None = None, **options: Any) -> Schedule:
+        """Dispatch ``event`` every ``interval`` (ticks anchored to the Unix epoch)."""
+        if not isinstance(interval, timedelta) or interval < timedelta(seconds=1):
+            raise ScheduleError(f"schedule entry {name or _event_name(event)!r}: interval must be a timedelta >= 1s")
+        return self._add_event(f"@every {format_duration(interval)}", event, name, None, options)
+
+    def daily_at(
+        self, at: str, event: object, *, name: str | None = None, tz: str | None = None, **options: Any
+    ) -> Schedule:
+        """Dispatch ``event`` every day at ``"HH:MM"`` local time (once per day across DST changes)."""
+        match = _HH_MM.match(at) if isinstance(at, str) else None
+        if not match:
+            raise ScheduleError(f"schedule entry {name or _event_name(event)!r}: daily_at({at!r}) is not HH:MM")
+        return self._add_event(f"{int(match[2])} {int(match[1])} * * *", event, name, tz, options)
+
+    def cron(
+        self, spec: str, event: object, *, name: str | None = None, tz: str | None = None, **options: Any
+    ) -> Schedule:
+        """Dispatch ``event`` whenever the cron ``spec`` fires."""
+        return self._add_event(spec, event, name, tz, options)
+
+    @overload
+    def job(self, name: str, spec: str, handler: JobHandler, *, tz: str | None = None, **options: Any) -> Schedule: ...
+
+    @overload
+    def job(
+        self, name: str, spec: str, handler: None = None, *, tz: str | None = None, **options: Any
+    ) -> Callable[[JobHandler], JobHandler]: ...
+
+    def job(
+        self, name: str, spec: str, handler: JobHandler | None = None, *, tz: str | None = None, **options: Any
+    ) -> Schedule | Callable[[JobHandler], JobHandler]:
+        """Run ``handler`` (task ``job:<name>``) whenever ``spec`` fires; without a handler, a decorator.
+
+        The handler takes no argument, or one: the scheduled time (an aware datetime
+        in the entry's zone). What it raises is retried (``max_retries=`` to change
+        the budget); options such as ``queue``, ``time_limit`` apply to each firing.
+        """
+        if handler is None:
+
+            def decorate(fn: JobHandler) -> JobHandler:
+                self.job(name, spec, fn, tz=tz, **options)
+                return fn
+
+            return decorate
+        takes_time = _job_shape(name, handler)
+        self._add(Entry(name=name, handler=handler, takes_time=takes_time, **self._common(name, spec, tz, options)))
+        return self
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        return tuple(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.entries)
+
+    def _add_event(
+        self, spec: str, event: object, name: str | None, tz: str | None, options: dict[str, Any]
+    ) -> Schedule:
+        try:
+            kind = event_type(event)
+        except EventError as exc:
+            raise ScheduleError(f"schedule entry {name or spec!r}: {exc}") from None
+        if isinstance(event, type):
+            raise ScheduleError(f"schedule entry {name or kind.name!r}: give an event instance, not the class")
+        name = name or kind.name
+        try:
+            payload = kind.encode(event)
+        except EventEncodeError as exc:
+            raise ScheduleError(f"schedule entry {name!r}: {exc}") from None
+        self._add(Entry(name=name, event=kind, payload=payload, **self._common(name, spec, tz, options)))
+        return self
+
+    def _common(self, name: str, spec: str, tz: str | None, options: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ScheduleError(f"schedule entry {name!r}: a name is letters, digits, '_', '.', '-'")
+        try:
+            parsed = parse(spec)
+        except CronError as exc:
+            raise ScheduleError(f"schedule entry {name!r}: {exc}") from None
+        options = dict(options)
+        queue = options.pop("queue", "default")
+        if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+            raise ScheduleError(f"schedule entry {name!r}: {queue!r} is not a queue name")
+        if self._known_options is not None and (unknown := set(options) - self._known_options):
+            raise ScheduleError(f"schedule entry {name!r}: unknown option(s) {', '.join(sorted(unknown))}")
+        try:
+            json.dumps(options)
+        except TypeError as exc:
+            raise ScheduleError(f"schedule entry {name!r}: options travel as JSON ({exc})") from None
+        zone = self.zone if tz is None else _zone(tz, f"schedule entry {name!r}")
+        return {"spec": parsed, "zone": zone, "queue": queue, "options": options}
+
+    def _add(self, entry: Entry) -> None:
+        if entry.name in self._entries:
+            raise ScheduleError(f"schedule entry {entry.name!r} is defined twice; give one of them another name=")
+        self._entries[entry.name] = entry
+
+
+def _zone(name: str, where: str) -> ZoneInfo:
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, TypeError):
+        raise ScheduleError(f"{where}: {name!r} is not an IANA time zone (e.g. UTC, Europe/Budapest)") from None
+
+
+def _event_name(event: object) -> str:
+    try:
+        return event_type(event).name
+    except EventError:
+        return repr(event)
+
+
+def _job_shape(name: str, handler: object) -> bool:
+    where = f"schedule entry {name!r}"
+    if not callable(handler):
+        raise ScheduleError(f"{where}: handler {handler!r} is not callable")
+    if inspect.iscoroutinefunction(handler):
+        raise ScheduleError(f"{where}: async handlers are not supported; use a plain function")
+    signature = inspect.signature(handler)
+    try:
+        signature.bind()
+        return False
+    except TypeError:
+        pass
+    try:
+        signature.bind(None)
+        return True
+    except TypeError:
+        shape = f"{getattr(handler, '__name__', 'handler')}{signature}"
+        raise ScheduleError(
+            f"{where}: the handler must take no argument, or one (the scheduled time), not {shape}"
+        ) from None
