@@ -1,0 +1,187 @@
+"""The schedule runner in one process, against real Redis: firing, retries, fan-out, catch-up, fencing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from helpers import wait_for
+
+import dramatiq_gp as gp
+from dramatiq_gp.scheduler import tick_message_id
+
+
+@gp.event("test.scheduler.tick")
+@dataclass(frozen=True)
+class Tock:
+    label: str = "tock"
+
+
+def _queued(rdb, namespace, queue="default"):
+    return [json.loads(v) for v in rdb.hvals(f"{namespace}:{queue}.msgs")]
+
+
+@pytest.fixture
+def runner_kit(make_kit):
+    kits: list[gp.Kit] = []
+
+    def make(register, env=None, **kwargs):
+        kit = make_kit(register, env={"SCHEDULER_LEASE_TTL": "1500ms", **(env or {})}, **kwargs)
+        kits.append(kit)
+        return kit
+
+    yield make
+    for kit in kits:
+        if kit.scheduler is not None:
+            kit.scheduler.stop()
+
+
+def test_an_empty_schedule_starts_no_election(make_kit, rdb, namespace):
+    kit = make_kit()
+    assert kit.scheduler is None
+    assert list(rdb.scan_iter(f"{namespace}:scheduler:*")) == []
+
+
+def test_the_leader_fires_a_job_each_tick_under_the_ticks_id(runner_kit, rdb, namespace):
+    kit = runner_kit(lambda registry, schedule: schedule.job("heartbeat", "@every 1s", lambda: None, queue="jobs"))
+    kit.scheduler.start()
+    wait_for(lambda: len(_queued(rdb, namespace, "jobs")) >= 3, timeout=10)
+    fired = _queued(rdb, namespace, "jobs")
+    for message in fired:
+        assert message["actor_name"] == "job:heartbeat"
+        tick = datetime.fromisoformat(message["args"][0]["scheduled_at"])
+        assert tick.microsecond == 0
+        assert message["message_id"] == tick_message_id("heartbeat", tick)
+    status = kit.scheduler.status()
+    assert status["this_process_leads"] is True
+    assert status["leader"]["epoch"] >= 1
+    (entry,) = status["entries"]
+    assert entry["task_type"] == "job:heartbeat" and entry["last_fired"] is not None
+    assert entry["next_fire"] > entry["last_fired"]
+    kit.scheduler.stop()
+    assert rdb.exists(f"{namespace}:scheduler:lease") == 0  # released at once
+
+
+def test_a_job_that_raises_is_retried_with_its_scheduled_time(runner_kit, start_worker):
+    calls: list[datetime] = []
+
+    def flaky(scheduled_at: datetime) -> None:
+        calls.append(scheduled_at)
+        if len(calls) == 1:
+            raise RuntimeError("database blip")
+
+    kit = runner_kit(
+        lambda registry, schedule: schedule.job("report", "@every 1s", flaky, max_retries=2, tz="Europe/Budapest"),
+        env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"},
+    )
+    start_worker(kit)  # starts the runner too
+    wait_for(lambda: len(calls) >= 3, timeout=10)
+    assert calls[0] == calls[1]  # the retry is the same firing
+    assert calls[0].tzinfo is not None and calls[0].utcoffset() in (timedelta(hours=1), timedelta(hours=2))
+
+
+def test_a_scheduled_event_fans_out_and_a_retried_firing_runs_no_listener_twice(runner_kit, start_worker, caplog):
+    runs: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def listener(name: str):
+        def handle(event: Tock) -> None:
+            with lock:
+                runs[name] += 1
+
+        return handle
+
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        registry.listen(Tock, listener("a"), name="a")
+        registry.listen(Tock, listener("b"), name="b", queue="other")
+        schedule.every(timedelta(seconds=1), Tock())
+
+    kit = runner_kit(register, env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"})
+    # The first fan-out reaches Redis and then fails, so the firing is retried.
+    real_enqueue_many, failed = kit.broker.enqueue_many, []
+
+    def enqueue_then_fail(messages):
+        sent = real_enqueue_many(messages)
+        if not failed and messages[0].actor_name.startswith("listener:"):
+            failed.append(1)
+            raise ConnectionError("lost the reply")
+        return sent
+
+    kit.broker.enqueue_many = enqueue_then_fail
+    caplog.set_level(logging.INFO)
+    start_worker(kit)
+    wait_for(lambda: runs["a"] >= 3 and runs["b"] >= 3, timeout=15)
+    kit.scheduler.stop()
+    time.sleep(0.5)
+    fired = len({r.getMessage() for r in caplog.records if "fired test.scheduler.tick" in r.getMessage()})
+    assert failed
+    assert runs["a"] == runs["b"] == fired  # one run per listener per firing, retry included
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("none", 0), ("latest", 1), ("all", 11)])
+def test_a_new_leader_catches_up_missed_ticks_by_policy(policy, expected, runner_kit, rdb, namespace):
+    kit = runner_kit(
+        lambda registry, schedule: schedule.job("every_second", "@every 1s", lambda: None),
+        env={"SCHEDULER_CATCHUP": policy},
+    )
+    # The last leader fired its last tick 10.5 s before the current second: 11 ticks were missed.
+    last = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=10, milliseconds=500)
+    rdb.hset(f"{namespace}:scheduler:last_fired", "every_second", int(last.timestamp() * 1000))
+    started = datetime.now(UTC)
+    kit.scheduler.start()
+    wait_for(lambda: kit.scheduler.lease.is_held())
+    wait_for(lambda: any(m["args"][0]["scheduled_at"] > started.isoformat() for m in _queued(rdb, namespace)), 5)
+    late = [m for m in _queued(rdb, namespace) if datetime.fromisoformat(m["args"][0]["scheduled_at"]) < started]
+    assert len(late) == expected
+    if policy == "latest":
+        assert datetime.fromisoformat(late[0]["args"][0]["scheduled_at"]) > started - timedelta(seconds=1)
+
+
+def test_missed_ticks_older_than_the_grace_are_never_fired(runner_kit, rdb, namespace):
+    kit = runner_kit(
+        lambda registry, schedule: schedule.job("every_second", "@every 1s", lambda: None),
+        env={"SCHEDULER_CATCHUP": "all", "SCHEDULER_CATCHUP_GRACE": "3s"},
+    )
+    rdb.hset(f"{namespace}:scheduler:last_fired", "every_second", int(time.time() * 1000) - 60_000)
+    started = datetime.now(UTC)
+    kit.scheduler.start()
+    wait_for(lambda: any(m["args"][0]["scheduled_at"] > started.isoformat() for m in _queued(rdb, namespace)), 5)
+    late = [m for m in _queued(rdb, namespace) if datetime.fromisoformat(m["args"][0]["scheduled_at"]) < started]
+    assert 2 <= len(late) <= 3
+
+
+def test_a_leader_that_lost_the_lease_fires_nothing_even_if_it_tries(runner_kit, rdb, namespace):
+    kit = runner_kit(lambda registry, schedule: schedule.job("j", "@every 1s", lambda: None))
+    runner = kit.scheduler
+    runner.start()
+    wait_for(runner.lease.is_held)
+    wait_for(lambda: _queued(rdb, namespace), timeout=5)
+    runner._stop.set()  # freeze the timer, keep the lease thread
+    runner._thread.join()
+    before = len(_queued(rdb, namespace))
+    rdb.set(f"{namespace}:scheduler:lease", "999/someone-else")  # a new leader took over meanwhile
+    entry = runner.schedule.entries[0]
+    next_tick = entry.next_after(datetime.now(UTC) + timedelta(seconds=5))
+    assert runner._fire(entry, next_tick) is False
+    assert len(_queued(rdb, namespace)) == before
+    wait_for(lambda: not runner.lease.is_held(), timeout=5)  # the renewal noticed too
+
+
+def test_two_namespaces_on_one_redis_elect_independently(runner_kit, rdb, namespace):
+    one = runner_kit(lambda r, s: s.job("j", "@every 1s", lambda: None), env={"SCHEDULER_NAMESPACE": f"{namespace}-a"})
+    two = runner_kit(lambda r, s: s.job("j", "@every 1s", lambda: None), env={"SCHEDULER_NAMESPACE": f"{namespace}-b"})
+    one.scheduler.start()
+    two.scheduler.start()
+    wait_for(lambda: one.scheduler.lease.is_held() and two.scheduler.lease.is_held())
+    same = runner_kit(lambda r, s: s.job("j", "@every 1s", lambda: None), env={"SCHEDULER_NAMESPACE": f"{namespace}-a"})
+    same.scheduler.start()
+    time.sleep(1)
+    assert not same.scheduler.lease.is_held()
+    for key in rdb.scan_iter(f"{namespace}-*"):
+        rdb.delete(key)
