@@ -80,7 +80,7 @@ async def _async_handler() -> None:
         (lambda s: s.cron("@daily", SyncInventory(), tz="Mars/Olympus"), "'Mars/Olympus' is not an IANA time zone"),
         (lambda s: s.every(timedelta(minutes=1), SyncInventory()).every(timedelta(hours=1), SyncInventory()),
          "'test.schedule.sync_inventory' is defined twice"),
-        (lambda s: s.job("x", "@hourly", _bad_handler), "schedule entry 'x': the handler must take no argument, or one"),
+        (lambda s: s.job("x", "@hourly", _bad_handler), "'x': the handler must take no argument, or one"),
         (lambda s: s.job("x", "@hourly", _async_handler), "schedule entry 'x': async handlers are not supported"),
         (lambda s: s.job("x", "@hourly", "report"), "schedule entry 'x': handler 'report' is not callable"),
         (lambda s: s.job("has space", "@hourly", report), "schedule entry 'has space': a name is"),
@@ -103,7 +103,7 @@ def test_options_are_checked_against_what_the_broker_knows(make_kit):
     def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
         schedule.job("x", "@hourly", report, max_retrys=3)
 
-    with pytest.raises(gp.ScheduleError, match="schedule entry 'x': unknown option.s. max_retrys"):
+    with pytest.raises(gp.ScheduleError, match=r"schedule entry 'x': unknown option.s. max_retrys"):
         make_kit(register)
 
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from helpers import wait_for
 
 import dramatiq_gp as gp
 from dramatiq_gp.scheduler import tick_message_id
+from helpers import wait_for
 
 
 @gp.event("test.scheduler.tick")
