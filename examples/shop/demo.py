@@ -47,9 +47,11 @@ def main() -> int:
     )
 
     lines: list[str] = []
+    # The nightly report runs every 3 seconds here, so the demo shows a scheduled job firing.
+    env = {**os.environ, "SHOP_REPORT_CRON": "@every 3s"}
     worker = subprocess.Popen(
         [sys.executable, "-m", "dramatiq", "examples.shop.worker", "--processes", "1", "--threads", "4"],
-        cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     threading.Thread(target=_stream, args=(worker, lines), daemon=True).start()
     try:
@@ -57,13 +59,18 @@ def main() -> int:
         print(f"== placing {ORDERS} orders: each order and its OrderPlaced event in one transaction", flush=True)
         subprocess.run([sys.executable, "-m", "examples.shop.place_orders", str(ORDERS)], cwd=ROOT, check=True)
 
-        def count(table: sa.Table) -> int:
-            with engine.connect() as conn:
-                return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
+        confirmations = sa.select(sent_emails.c.recipient, sent_emails.c.subject).where(
+            sent_emails.c.dedup_key.like("order-confirmation:%")
+        )
 
-        _wait_until(lambda: count(sent_emails) == ORDERS and count(sales) == ORDERS, 60, "the listeners")
+        def done() -> bool:
+            with engine.connect() as conn:
+                recorded = conn.execute(sa.select(sa.func.count()).select_from(sales)).scalar_one()
+                return len(conn.execute(confirmations).all()) == ORDERS and recorded == ORDERS
+
+        _wait_until(done, 60, "the listeners")
         with engine.connect() as conn:
-            mails = conn.execute(sa.select(sent_emails.c.recipient, sent_emails.c.subject)).all()
+            mails = conn.execute(confirmations).all()
             total = conn.execute(sa.select(sa.func.sum(sales.c.total_cents))).scalar_one()
         print(
             "== the outbox relay enqueued each event, the event:shop.order_placed task fanned it out, and\n"
@@ -73,6 +80,24 @@ def main() -> int:
         )
         for recipient, subject in mails:
             print(f"   mail to {recipient}: {subject}")
+
+        with engine.connect() as conn:
+            since = conn.execute(sa.select(sa.func.now())).scalar_one()
+        reports = (
+            sa.select(sent_emails.c.subject, sent_emails.c.body)
+            .where(sent_emails.c.subject.like("Sales report%"), sent_emails.c.sent_at > since)
+            .order_by(sent_emails.c.sent_at)
+        )
+
+        def report_sent() -> bool:
+            with engine.connect() as conn:
+                return conn.execute(reports).first() is not None
+
+        _wait_until(report_sent, 30, "the scheduled sales report")
+        with engine.connect() as conn:
+            report = conn.execute(reports).first()
+        assert report is not None
+        print(f"== the elected leader fired job:shop.nightly_sales_report: {report.subject}: {report.body}", flush=True)
         print("== stopping the worker (SIGTERM): producers stop, tasks drain, closers run", flush=True)
     finally:
         worker.send_signal(signal.SIGTERM)

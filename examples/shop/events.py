@@ -13,3 +13,15 @@ class OrderPlaced:
     order_id: int
     customer_email: str
     total_cents: int
+
+
+@gp.event("shop.sync_inventory")
+@dataclass(frozen=True)
+class SyncInventory:
+    """Time to reconcile stock with the warehouse (every 15 minutes)."""
+
+
+@gp.event("shop.digest_due")
+@dataclass(frozen=True)
+class DigestDue:
+    """Time for the daily digest (06:30)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dramatiq_gp as gp
 
-from . import listeners
+from . import jobs, listeners
 from .deps import Dependencies
 
 deps = Dependencies.from_env()
@@ -12,6 +12,7 @@ deps = Dependencies.from_env()
 
 def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
     listeners.register(registry, deps)
+    jobs.register(schedule, deps)
 
 
 # The kit shares the shop's engine: the relay reads the outbox the orders are written with.
