@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_demo_relays_orders_to_both_listeners_fires_the_report_and_stops_cleanly(clean_env, database_url, namespace):
+def test_the_demo_relays_orders_to_the_listeners_fires_the_report_and_stops(clean_env, database_url, namespace):
     env = {**os.environ, "DB_URL": database_url, "VALKEY_NAMESPACE": namespace}
     command = [sys.executable, "-m", "examples.shop.demo"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
