@@ -90,34 +90,13 @@ class Kit:
         self.broker = self._build_broker(dict(broker_options or {}), middleware)
         self._closers.kit.append(("queue client", self.broker.client.connection_pool.disconnect))
         dramatiq.set_broker(self.broker)
-        self.engine = engine
-        if engine is None and self.settings.db.configured:
-            self.engine = engine = sa.create_engine(
-                self.settings.db.sqlalchemy_url(), pool_size=self.settings.db.pool_size, pool_pre_ping=True
-            )
-            self._closers.kit.append(("outbox database", engine.dispose))
-        self.relay: outbox.Relay | None = None
-        if engine is not None:
-            outbox.set_notify(self.settings.outbox.notify)
-            if self.settings.outbox.relay:
-                self.relay = outbox.Relay(engine=engine, broker=self.broker, settings=self.settings.outbox)
-                self._producers.append(self.relay)
-                self._closers.kit.append((self.relay.name, self.relay.close))
+        self.engine, self.relay = self._build_outbox(engine)
         self.registry = registry if registry is not None else default_registry
         self.registry.bind(self.broker)
         self.schedule = Schedule(self.settings.scheduler.timezone, known_options=self.broker.actor_options)
         if register is not None:
             register(self.registry, self.schedule)
-        self.scheduler: Runner | None = None
-        if self.schedule:  # an empty schedule starts no leader election
-            self.scheduler = Runner(
-                schedule=self.schedule,
-                broker=self.broker,
-                registry=self.registry,
-                settings=self.settings.scheduler,
-                namespace=self.settings.scheduler.namespace or self.broker.namespace,
-            )
-            self._producers.insert(0, self.scheduler)
+        self.scheduler = self._build_scheduler()
         listeners = self.registry.listeners()
         logger.info(
             "start-up: registered %d listener(s) for %d event type(s), %d schedule entr%s",
@@ -173,6 +152,34 @@ class Kit:
         except redis.RedisError as exc:
             raise BrokerUnreachable(f"Redis/Valkey unreachable at {self.settings.queue.display()}: {exc}") from None
         logger.info("start-up: broker reachable at %s", self.settings.queue.display())
+
+    def _build_outbox(self, engine: sa.Engine | None) -> tuple[sa.Engine | None, outbox.Relay | None]:
+        if engine is None and self.settings.db.configured:
+            db = self.settings.db
+            engine = sa.create_engine(db.sqlalchemy_url(), pool_size=db.pool_size, pool_pre_ping=True)
+            self._closers.kit.append(("outbox database", engine.dispose))
+        if engine is None:
+            return None, None
+        outbox.set_notify(self.settings.outbox.notify)
+        if not self.settings.outbox.relay:
+            return engine, None
+        relay = outbox.Relay(engine=engine, broker=self.broker, settings=self.settings.outbox)
+        self._producers.append(relay)
+        self._closers.kit.append((relay.name, relay.close))
+        return engine, relay
+
+    def _build_scheduler(self) -> Runner | None:
+        if not self.schedule:  # an empty schedule starts no leader election
+            return None
+        runner = Runner(
+            schedule=self.schedule,
+            broker=self.broker,
+            registry=self.registry,
+            settings=self.settings.scheduler,
+            namespace=self.settings.scheduler.namespace or self.broker.namespace,
+        )
+        self._producers.insert(0, runner)  # stops first: no firing while the relay winds down
+        return runner
 
     def _build_broker(self, options: dict[str, Any], extra: Sequence[Middleware]) -> Broker:
         worker, queue = self.settings.worker, self.settings.queue

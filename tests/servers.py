@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -21,6 +22,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _until_up(check: Callable[[], object], error: type[Exception], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            check()
+            return
+        except error:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _redis_server() -> str:
@@ -44,15 +57,8 @@ class OwnRedis:
                    "--appendonly", "yes", "--appendfsync", "always", "--save", ""]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        _until_up(client.ping, redis.ConnectionError)
+        client.close()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -98,15 +104,7 @@ class OwnPostgres:
     def start(self) -> None:
         options = f"-p {self.port} -h 127.0.0.1 -k {self.data} -c fsync=off"
         self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.data / "log"), "-w", "start")
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                psycopg.connect(self.url.replace("+psycopg", ""), connect_timeout=1).close()
-                return
-            except psycopg.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        _until_up(lambda: psycopg.connect(self.url.replace("+psycopg", ""), connect_timeout=1).close(), psycopg.Error)
 
     def stop(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
