@@ -3,7 +3,9 @@
 Everything an application uses is importable from here.
 """
 
-from . import outbox
+import importlib
+from typing import Any
+
 from .broker import Broker
 from .errors import (
     BrokerUnreachable,
@@ -66,3 +68,10 @@ __all__ = [
     "listener",
     "outbox",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The outbox brings SQLAlchemy and psycopg; a worker without a database never loads them.
+    if name == "outbox":
+        return importlib.import_module(f"{__name__}.outbox")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

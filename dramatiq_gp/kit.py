@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 from uuid import uuid4
 
 import dramatiq
 import redis
-import sqlalchemy as sa
 from dramatiq import Middleware
 from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, Retries, ShutdownNotifications, TimeLimit
-from sqlalchemy.orm import Session
 
-from . import outbox, telemetry
+from . import telemetry
 from .broker import Broker
 from .errors import BrokerUnreachable, GPError
 from .lifecycle import Closer, Closers, Lifecycle, Producer
@@ -37,6 +35,12 @@ from .middleware import IdempotentExecution, PanicRecovery, TaskLog
 from .registry import Registry, default_registry
 from .scheduler import Runner, Schedule
 from .settings import Settings
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from sqlalchemy.orm import Session
+
+    from .outbox import Relay
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +134,11 @@ class Kit:
             EventEncodeError: its payload cannot be encoded; nothing was written or sent.
         """
         if len(args) == 2:
-            return outbox.write(args[0], args[1], envelope_id=envelope_id)
+            return _write_outbox(args[0], args[1], envelope_id)
         (event,) = args
         if self.engine is not None:
             with self.engine.begin() as conn:
-                return outbox.write(conn, event, envelope_id=envelope_id)
+                return _write_outbox(conn, event, envelope_id)
         envelope_id = envelope_id or str(uuid4())
         messages = self.registry.fan_out(event, envelope_id)
         if messages:
@@ -153,17 +157,21 @@ class Kit:
             raise BrokerUnreachable(f"Redis/Valkey unreachable at {self.settings.queue.display()}: {exc}") from None
         logger.info("start-up: broker reachable at %s", self.settings.queue.display())
 
-    def _build_outbox(self, engine: sa.Engine | None) -> tuple[sa.Engine | None, outbox.Relay | None]:
-        if engine is None and self.settings.db.configured:
+    def _build_outbox(self, engine: sa.Engine | None) -> tuple[sa.Engine | None, Relay | None]:
+        if engine is None and not self.settings.db.configured:
+            return None, None  # SQLAlchemy is not even imported without a database
+        import sqlalchemy as sa
+
+        from .outbox import Relay, set_notify
+
+        if engine is None:
             db = self.settings.db
             engine = sa.create_engine(db.sqlalchemy_url(), pool_size=db.pool_size, pool_pre_ping=True)
             self._closers.kit.append(("outbox database", engine.dispose))
-        if engine is None:
-            return None, None
-        outbox.set_notify(self.settings.outbox.notify)
+        set_notify(self.settings.outbox.notify)
         if not self.settings.outbox.relay:
             return engine, None
-        relay = outbox.Relay(engine=engine, broker=self.broker, settings=self.settings.outbox)
+        relay = Relay(engine=engine, broker=self.broker, settings=self.settings.outbox)
         self._producers.append(relay)
         self._closers.kit.append((relay.name, relay.close))
         return engine, relay
@@ -257,5 +265,11 @@ def dispatch(*args: Any, envelope_id: str | None = None) -> str:
     ``dispatch(event)`` goes through the last Kit built in this process.
     """
     if len(args) == 2:
-        return outbox.write(args[0], args[1], envelope_id=envelope_id)
+        return _write_outbox(args[0], args[1], envelope_id)
     return current_kit().dispatch(*args, envelope_id=envelope_id)
+
+
+def _write_outbox(target: Session | sa.Connection, event: object, envelope_id: str | None) -> str:
+    from .outbox import write
+
+    return write(target, event, envelope_id=envelope_id)
