@@ -108,6 +108,10 @@ class Broker(RedisBroker):
         self.unknown_task_grace_ms = unknown_task_grace_ms
         #: Called in the consumer thread with each fetched batch before worker threads see it.
         self.on_fetch: Callable[[Broker, list[MessageProxy]], None] | None = None
+        #: Called with a message whose ``before_enqueue`` was emitted but which was
+        #: not sent after all, and the error if there was one (the tracing middleware
+        #: ends the message's send span there).
+        self.on_send_failed: Callable[[Message[Any], BaseException | None], None] | None = None
         self._settle = self.client.register_script(_SETTLE)
         self._warned_lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
@@ -115,6 +119,13 @@ class Broker(RedisBroker):
     @property
     def consumer_class(self) -> type[_Consumer]:
         return _Consumer
+
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        try:
+            return super().enqueue(message, delay=delay)
+        except BaseException as exc:
+            self.send_failed(message, exc)
+            raise
 
     def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
         """Enqueue ``messages`` in one round trip, all or none.
@@ -124,21 +135,32 @@ class Broker(RedisBroker):
         """
         if len(messages) == 1:
             return [self.enqueue(messages[0])]
-        prepared = []
-        for message in messages:
-            message = message.copy(options={"redis_message_id": str(uuid4())})
-            self.emit_before("enqueue", message, None)
-            prepared.append((message, message.encode()))
-        dispatch, now = self.scripts["dispatch"], current_millis()
-        fixed = [self.broker_id, self.heartbeat_timeout, self.dead_message_ttl, 0, self._max_unpack_size()]  # type: ignore[no-untyped-call]
-        with self.client.pipeline(transaction=True) as pipe:
-            for message, data in prepared:
-                args = ["enqueue", now, message.queue_name, *fixed, message.options["redis_message_id"], data]
-                dispatch(keys=[self.namespace], args=args, client=pipe)
-            pipe.execute()
+        prepared: list[tuple[Message[Any], bytes]] = []
+        try:
+            for message in messages:
+                message = message.copy(options={"redis_message_id": str(uuid4())})
+                self.emit_before("enqueue", message, None)
+                prepared.append((message, b""))
+                prepared[-1] = (message, message.encode())
+            dispatch, now = self.scripts["dispatch"], current_millis()
+            fixed = [self.broker_id, self.heartbeat_timeout, self.dead_message_ttl, 0, self._max_unpack_size()]  # type: ignore[no-untyped-call]
+            with self.client.pipeline(transaction=True) as pipe:
+                for message, data in prepared:
+                    args = ["enqueue", now, message.queue_name, *fixed, message.options["redis_message_id"], data]
+                    dispatch(keys=[self.namespace], args=args, client=pipe)
+                pipe.execute()
+        except BaseException as exc:
+            for message, _ in prepared:
+                self.send_failed(message, exc)
+            raise
         for message, _ in prepared:
             self.emit_after("enqueue", message, None)
         return [message for message, _ in prepared]
+
+    def send_failed(self, message: Message[Any], error: BaseException | None) -> None:
+        """Report that ``message``, announced by ``before_enqueue``, was not sent."""
+        if self.on_send_failed is not None:
+            self.on_send_failed(message, error)
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`Settlement`."""

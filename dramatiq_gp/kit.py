@@ -27,14 +27,15 @@ import redis
 from dramatiq import Middleware
 from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, Retries, ShutdownNotifications, TimeLimit
 
-from . import telemetry
 from .broker import Broker
 from .errors import BrokerUnreachable, GPError
 from .lifecycle import Closer, Closers, Lifecycle, Producer
-from .middleware import IdempotentExecution, PanicRecovery, TaskLog
+from .middleware import IdempotentExecution, Metrics, PanicRecovery, TaskLog, Tracing
 from .registry import Registry, default_registry
 from .scheduler import Runner, Schedule
+from .scheduler.schedule import Entry
 from .settings import Settings
+from .telemetry import Telemetry, configure_logging
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -87,8 +88,14 @@ class Kit:
     ) -> None:
         global _current
         self.settings = settings if settings is not None else Settings.from_env()
-        telemetry.bootstrap(self.settings.log)
-        logger.info("start-up: telemetry ready (log level %s)", logging.getLevelName(logging.getLogger().level))
+        configure_logging(self.settings.log)
+        namespace = (broker_options or {}).get("namespace") or self.settings.queue.namespace
+        self.telemetry = Telemetry(self.settings, namespace=namespace)
+        logger.info(
+            "start-up: logging ready (level %s, %s); tracing %s, metrics %s, Sentry %s",
+            logging.getLevelName(logging.getLogger().level), self.settings.log.format,
+            *("on" if on else "off" for on in (self.telemetry.tracing, self.telemetry.metrics, self.telemetry.sentry)),
+        )  # fmt: skip
         self._closers = Closers()
         self._producers: list[Producer] = []
         self.broker = self._build_broker(dict(broker_options or {}), middleware)
@@ -199,6 +206,7 @@ class Kit:
         )
         namespace = options.setdefault("namespace", queue.namespace)
         lifecycle = Lifecycle(
+            telemetry=self.telemetry,
             check_connection=self.check_connection,
             producers=self._producers,
             closers=self._closers,
@@ -206,13 +214,18 @@ class Kit:
             queues=worker.queues,
         )
         # Order matters: Dramatiq runs before-hooks in this order and after-hooks in
-        # reverse, so the lifecycle sees everything first and last, a duplicate is
-        # skipped before anything logs it, and the task log reads Retries' verdict.
+        # reverse, so the lifecycle sees everything first and last, every message
+        # (a skipped duplicate too) gets a span and a Sentry scope, a retry is sent
+        # from inside its span, and the task log, metrics and Sentry read Retries' verdict.
         idempotency = IdempotentExecution(
             client=client, key_prefix=f"{namespace}:gp:done:", retention_ms=_ms(worker.dedup_retention)
         )
+        tracing = Tracing() if self.telemetry.tracing else None
         middleware: list[Middleware] = [
             lifecycle,
+            *([tracing] if tracing else []),
+            *self._sentry_middleware(),
+            *([Metrics()] if self.telemetry.metrics else []),
             idempotency,
             TaskLog(),
             PanicRecovery(),
@@ -235,7 +248,20 @@ class Kit:
             **options,
         )
         broker.on_fetch = idempotency.claim
+        if tracing is not None:
+            broker.on_send_failed = tracing.send_failed
         return broker
+
+    def _sentry_middleware(self) -> list[Middleware]:
+        if not self.telemetry.sentry:
+            return []
+        from .middleware.sentry import Sentry
+
+        def job_entry(name: str) -> Entry | None:
+            return next((entry for entry in self.schedule if entry.name == name and entry.handler), None)
+
+        sentry = self.settings.sentry
+        return [Sentry(send_default_pii=sentry.send_default_pii, job_entry=job_entry if sentry.crons else None)]
 
 
 def current_kit() -> Kit:

@@ -25,9 +25,9 @@ from dramatiq.broker import MessageProxy
 from dramatiq.cli import RET_CONNECT
 
 from . import broker as gp_broker
-from . import telemetry
 from .durations import format_duration
 from .errors import BrokerUnreachable
+from .telemetry import Telemetry
 
 Closer = Callable[[], object]
 
@@ -63,6 +63,7 @@ class Lifecycle(Middleware):
     """Start-up checks, drain bookkeeping and ordered shutdown for one worker process.
 
     Parameters:
+        telemetry: started at process boot, flushed last at shutdown.
         check_connection: pings the broker; raises :class:`BrokerUnreachable`.
         producers: started with the consumers, stopped first at shutdown.
         closers: run after the drain.
@@ -73,6 +74,7 @@ class Lifecycle(Middleware):
     def __init__(
         self,
         *,
+        telemetry: Telemetry,
         check_connection: Callable[[], None],
         producers: Sequence[Producer],
         closers: Closers,
@@ -80,6 +82,7 @@ class Lifecycle(Middleware):
         queues: Mapping[str, int] | None,
     ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
+        self.telemetry = telemetry
         self.check_connection = check_connection
         self.producers = producers
         self.closers = closers
@@ -89,6 +92,8 @@ class Lifecycle(Middleware):
         self._drain_timeout_ms = 600_000
 
     def after_process_boot(self, broker: Broker) -> None:
+        # Here, in the worker process and after the fork, not when the app is imported.
+        self.telemetry.start()
         try:
             self.check_connection()
         except BrokerUnreachable as exc:
@@ -159,7 +164,7 @@ class Lifecycle(Middleware):
         self.logger.info("shutdown: running closers")
         self.closers.run(self.logger)
         self.logger.info("shutdown: flushing telemetry")
-        telemetry.flush()
+        self.telemetry.flush()
 
     def _return_unfinished(self, broker: Broker) -> None:
         unfinished = list(self._in_flight.values())

@@ -27,7 +27,6 @@ from dramatiq import Actor, Broker, Message
 from .errors import RegistrationError
 from .events import NAME, EventType, event_type
 from .settings import QUEUE_NAME
-from .tracecontext import current_carrier
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -150,13 +149,10 @@ class Registry:
         """
         kind = event_type(event)
         envelope: dict[str, Any] = {"id": envelope_id, "event": kind.name, "data": kind.encode(event)}
-        trace = current_carrier()
-        if trace:
-            envelope["trace"] = trace
         return self.messages_for(envelope)
 
     def messages_for(self, envelope: Mapping[str, Any]) -> list[Message[Any]]:
-        """The listener messages of an envelope (``id``, ``event``, ``data``, optional ``trace``)."""
+        """The listener messages of an envelope (``id``, ``event``, ``data``)."""
         return [
             Message(
                 queue_name=listener.queue,

@@ -262,11 +262,13 @@ class SchedulerSettings(BaseSettings):
 
 
 class LogSettings(BaseSettings):
-    """``LOG_*``: log level (JSON output and trace correlation come with telemetry)."""
+    """``LOG_*``: level and format of every log line the worker writes."""
 
     model_config = SettingsConfigDict(env_prefix="LOG_", extra="ignore")
 
     level: Annotated[str, BeforeValidator(_log_level)] = "INFO"
+    #: ``text`` for a terminal, ``json`` (one object per line) for a log pipeline.
+    format: Annotated[Literal["text", "json"], BeforeValidator(lambda v: str(v).strip().lower())] = "text"
 
     @property
     def level_number(self) -> int:
@@ -276,6 +278,74 @@ class LogSettings(BaseSettings):
     def level_was_set(self) -> bool:
         """Whether ``LOG_LEVEL`` was given, so the CLI's ``-v`` is not overridden by a default."""
         return "level" in self.model_fields_set
+
+
+def _exporters(value: object) -> tuple[str, ...]:
+    names = tuple(name.strip().lower() for name in str(value).split(",") if name.strip())
+    if not names:
+        raise ValueError("expected exporter names separated by commas, e.g. otlp or console or none")
+    if "none" in names and len(names) > 1:
+        raise ValueError("'none' cannot be combined with other exporters")
+    return () if names == ("none",) else names
+
+
+Exporters = Annotated[tuple[str, ...] | None, NoDecode, BeforeValidator(_exporters)]
+
+
+class OtelSettings(BaseSettings):
+    """The standard ``OTEL_*`` variables the kit reads itself.
+
+    The SDK reads the rest (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``,
+    ``OTEL_TRACES_SAMPLER*``, ``OTEL_BSP_*``, ``OTEL_EXPORTER_OTLP_*``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="OTEL_", extra="ignore")
+
+    sdk_disabled: bool = False
+    #: ``otlp``, ``console``, ``none`` or any installed ``opentelemetry_traces_exporter``
+    #: entry point; unset means ``otlp`` when an OTLP endpoint is set, else ``none``.
+    traces_exporter: Exporters = None
+    #: As above, plus ``prometheus`` (the multi-process endpoint).
+    metrics_exporter: Exporters = None
+    exporter_otlp_endpoint: str | None = None
+    exporter_otlp_traces_endpoint: str | None = None
+    exporter_otlp_metrics_endpoint: str | None = None
+    #: Where ``prometheus`` serves ``/metrics`` (OpenTelemetry's defaults).
+    exporter_prometheus_host: str = "localhost"
+    exporter_prometheus_port: int = Field(default=9464, gt=0, lt=65536)
+    #: How often metrics are exported (and the Prometheus snapshot refreshed), in ms.
+    metric_export_interval: int = Field(default=60_000, ge=100)
+
+    def traces(self) -> tuple[str, ...]:
+        if self.sdk_disabled:
+            return ()
+        if self.traces_exporter is not None:
+            return self.traces_exporter
+        return ("otlp",) if self.exporter_otlp_endpoint or self.exporter_otlp_traces_endpoint else ()
+
+    def metrics(self) -> tuple[str, ...]:
+        if self.sdk_disabled:
+            return ()
+        if self.metrics_exporter is not None:
+            return self.metrics_exporter
+        return ("otlp",) if self.exporter_otlp_endpoint or self.exporter_otlp_metrics_endpoint else ()
+
+
+class SentrySettings(BaseSettings):
+    """``SENTRY_*``: error reporting, and Crons check-ins for scheduled jobs."""
+
+    model_config = SettingsConfigDict(env_prefix="SENTRY_", extra="ignore")
+
+    #: Unset: no Sentry (unless the application initialised it itself).
+    dsn: SecretStr | None = None
+    environment: str | None = None
+    release: str | None = None
+    #: Share of messages that get a Sentry transaction; unset means none.
+    traces_sample_rate: float | None = Field(default=None, ge=0, le=1)
+    #: Send message arguments (they may hold personal data) with events.
+    send_default_pii: bool = False
+    #: Report a check-in for every scheduled job run.
+    crons: bool = True
 
 
 G = TypeVar("G", bound=BaseSettings)
@@ -291,6 +361,8 @@ class Settings:
     db: DatabaseSettings = field(default_factory=lambda: DatabaseSettings())
     outbox: OutboxSettings = field(default_factory=lambda: OutboxSettings())
     scheduler: SchedulerSettings = field(default_factory=lambda: SchedulerSettings())
+    otel: OtelSettings = field(default_factory=lambda: OtelSettings())
+    sentry: SentrySettings = field(default_factory=lambda: SentrySettings())
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -310,7 +382,8 @@ class Settings:
 
         worker, queue, log = load(WorkerSettings), load(QueueSettings), load(LogSettings)
         db, outbox, scheduler = load(DatabaseSettings), load(OutboxSettings), load(SchedulerSettings)
-        groups = (worker, queue, log, db, outbox, scheduler)
+        otel, sentry = load(OtelSettings), load(SentrySettings)
+        groups = (worker, queue, log, db, outbox, scheduler, otel, sentry)
         if problems or any(group is None for group in groups):
             raise ConfigError("invalid configuration: " + "; ".join(problems))
         return cls(*groups)  # type: ignore[arg-type]

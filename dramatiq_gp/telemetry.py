@@ -1,28 +1,317 @@
-"""Telemetry bootstrap and flush: the first step of start-up and the last of shutdown.
+"""Telemetry: logs from the moment a Kit is built, traces, metrics and Sentry in each worker process.
 
-For now this is logging: a handler when the process has none (programmatic
-use; the dramatiq CLI installs its own) and the ``LOG_LEVEL``. Tracing and
-Sentry plug in here.
+Logging is configured when the :class:`~dramatiq_gp.Kit` is built, so start-up
+lines already have their final format. Exporters, the meter and Sentry start in
+``after_process_boot`` (:meth:`Telemetry.start`): the dramatiq CLI imports the
+application in each worker process, after the fork, so no exporter thread or
+socket is ever inherited across one. They are flushed as the last shutdown step
+(:meth:`Telemetry.flush`), and also when the process ends any other way that
+still runs Python (a second SIGTERM): Dramatiq's worker processes leave with
+``os._exit``, which skips ``atexit``, so the flush is registered as a
+multiprocessing finalizer, which ``Process`` runs on its way out.
+
+The kit never replaces what the application set up itself: a tracer or meter
+provider already installed, or a Sentry client already initialised, is used as is.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import multiprocessing.util
+import os
+import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
 
-from .settings import LogSettings
+from opentelemetry import metrics, trace
+from pythonjsonlogger.json import JsonFormatter
+
+from .errors import ConfigError
+from .settings import LogSettings, Settings
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+logger = logging.getLogger(__name__)
 
 #: The dramatiq CLI's format, so programmatic and CLI workers read alike.
 LOG_FORMAT = "[%(asctime)s] [PID %(process)d] [%(threadName)s] [%(name)s] [%(levelname)s] %(message)s"
 
+#: How long the last flush may wait for each exporter.
+FLUSH_TIMEOUT_MS = 5_000
 
-def bootstrap(settings: LogSettings) -> None:
+_OTLP_EXTRA = "pip install 'dramatiq-gp[otlp]'"
+_SENTRY_EXTRA = "pip install 'dramatiq-gp[sentry]'"
+
+
+# -- logs -------------------------------------------------------------------------
+
+
+class TraceIds(logging.Filter):
+    """Adds ``trace_id`` and ``span_id`` to a record logged inside an active span."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            record.trace_id = format(context.trace_id, "032x")
+            record.span_id = format(context.span_id, "016x")
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """The dramatiq CLI's line, with the trace ids appended when there are some."""
+
+    def __init__(self) -> None:
+        super().__init__(LOG_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        trace_id = getattr(record, "trace_id", None)
+        if trace_id is None:
+            return line
+        head, newline, tail = line.partition("\n")  # keep ids on the first line, before a traceback
+        return f"{head} trace_id={trace_id} span_id={getattr(record, 'span_id', '')}{newline}{tail}"
+
+
+def json_formatter() -> logging.Formatter:
+    """One JSON object per line: time, level, logger, message, pid, thread and every ``extra`` field."""
+    return JsonFormatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s %(process)d %(threadName)s",
+        rename_fields={"asctime": "time", "levelname": "level", "name": "logger", "process": "pid",
+                       "threadName": "thread", "exc_info": "error.stack"},
+        json_ensure_ascii=False,
+    )  # fmt: skip
+
+
+def configure_logging(settings: LogSettings) -> None:
+    """Give every root handler the ``LOG_FORMAT`` formatter and the trace-id filter; set ``LOG_LEVEL``.
+
+    The dramatiq CLI has already installed a handler writing to its log pipe by
+    the time the kit is built; it is kept and reformatted, so Dramatiq's own lines
+    come out in the same format. Without one (programmatic use, or the CLI's
+    ``--skip-logging``), a handler on stderr is added.
+    """
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(format=LOG_FORMAT, level=settings.level_number)
+        root.addHandler(logging.StreamHandler(sys.stderr))
+        root.setLevel(settings.level_number)
     elif settings.level_was_set:
         root.setLevel(settings.level_number)
+    for handler in root.handlers:
+        handler.setFormatter(json_formatter() if settings.format == "json" else TextFormatter())
+        if not any(isinstance(f, TraceIds) for f in handler.filters):
+            handler.addFilter(TraceIds())
 
 
-def flush() -> None:
-    for handler in logging.getLogger().handlers:
-        handler.flush()
+# -- exporters --------------------------------------------------------------------
+
+
+def _entry_point(group: str, name: str, variable: str) -> Callable[[], Any]:
+    found = {ep.name: ep for ep in entry_points(group=group)}
+    if name not in found:
+        known = ", ".join(sorted({"otlp", "none", *found}))
+        raise ConfigError(f"{variable}={name!r}: unknown exporter; installed: {known}")
+    loaded: Callable[[], Any] = found[name].load()
+    return loaded
+
+
+def _protocol(signal: str) -> str:
+    value = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}S_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    return (value or "http/protobuf").strip().lower()
+
+
+def _otlp(signal: str, class_name: str) -> Callable[[], Any]:
+    transport = "grpc" if _protocol(signal.upper()) == "grpc" else "http"
+    module = f"opentelemetry.exporter.otlp.proto.{transport}.{signal}_exporter"
+    try:
+        factory: Callable[[], Any] = getattr(importlib.import_module(module), class_name)
+    except ImportError:
+        extra = _OTLP_EXTRA if transport == "http" else "pip install opentelemetry-exporter-otlp-proto-grpc"
+        variable = "OTEL_TRACES_EXPORTER" if signal == "trace" else "OTEL_METRICS_EXPORTER"
+        raise ConfigError(f"{variable}=otlp needs the OTLP exporter ({transport}): {extra}") from None
+    return factory
+
+
+def span_exporter_factory(name: str) -> Callable[[], SpanExporter]:
+    """What builds the span exporter called ``name``.
+
+    Raises:
+        ConfigError: unknown name, or its package is not installed.
+    """
+    if name == "otlp":
+        return _otlp("trace", "OTLPSpanExporter")
+    return _entry_point("opentelemetry_traces_exporter", name, "OTEL_TRACES_EXPORTER")
+
+
+def metric_exporter_factory(name: str) -> Callable[[], MetricExporter]:
+    """What builds the metric exporter called ``name`` (``prometheus`` is handled apart).
+
+    Raises:
+        ConfigError: unknown name, or its package is not installed.
+    """
+    if name == "otlp":
+        return _otlp("metric", "OTLPMetricExporter")
+    return _entry_point("opentelemetry_metrics_exporter", name, "OTEL_METRICS_EXPORTER")
+
+
+def application_tracer_provider() -> bool:
+    """Whether a real (SDK) tracer provider is already installed in this process."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def application_meter_provider() -> bool:
+    """Whether a real (SDK) meter provider is already installed in this process."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    return isinstance(metrics.get_meter_provider(), MeterProvider)
+
+
+# -- the per-process telemetry ------------------------------------------------------
+
+
+class Telemetry:
+    """What one worker process exports, checked when the Kit is built and started after the fork.
+
+    Parameters:
+        settings: the ``LOG_*``, ``OTEL_*`` and ``SENTRY_*`` groups are read.
+        namespace: names the Prometheus snapshot directory, so two apps on one host keep theirs apart.
+
+    Raises:
+        ConfigError: an exporter name is unknown or its package missing, or
+            ``SENTRY_DSN`` is set without sentry-sdk installed.
+    """
+
+    def __init__(self, settings: Settings, *, namespace: str) -> None:
+        self.settings = settings
+        self.namespace = namespace
+        otel = settings.otel
+        self._span_exporters = [span_exporter_factory(name) for name in otel.traces()]
+        self._metric_exporters = [metric_exporter_factory(name) for name in otel.metrics() if name != "prometheus"]
+        self.prometheus = "prometheus" in otel.metrics()
+        if settings.sentry.dsn is not None:
+            try:
+                import sentry_sdk  # noqa: F401
+            except ImportError:
+                raise ConfigError(f"SENTRY_DSN is set but sentry-sdk is not installed: {_SENTRY_EXTRA}") from None
+        #: Whether messages get spans: exporters configured here, or a provider set up by the application.
+        self.tracing = bool(self._span_exporters) or application_tracer_provider()
+        self.metrics = bool(self._metric_exporters) or self.prometheus or application_meter_provider()
+        self.sentry = settings.sentry.dsn is not None or _sentry_active()
+        self._tracer_provider: TracerProvider | None = None
+        self._meter_provider: MeterProvider | None = None
+        self._started_pid: int | None = None
+        self._flushed = False
+        self._endpoint: Any = None
+
+    def start(self) -> None:
+        """Install this process's exporters, meter and Sentry client; once per process."""
+        if self._started_pid == os.getpid():
+            return
+        self._started_pid, self._flushed = os.getpid(), False
+        started = []
+        if self._span_exporters and not application_tracer_provider():
+            self._tracer_provider = self._start_tracing()
+            started.append(f"traces to {', '.join(self.settings.otel.traces())}")
+        if (self._metric_exporters or self.prometheus) and not application_meter_provider():
+            self._meter_provider = self._start_metrics()
+            started.append(f"metrics to {', '.join(self.settings.otel.metrics())}")
+        if self.settings.sentry.dsn is not None:
+            if _sentry_active():
+                logger.info("start-up: Sentry was initialised by the application; using its client")
+            else:
+                self._start_sentry()
+                started.append("errors to Sentry")
+        multiprocessing.util.Finalize(None, self.flush, exitpriority=100)
+        if started:
+            logger.info("start-up: telemetry exports %s", "; ".join(started))
+
+    def flush(self) -> None:
+        """Export what is still buffered: spans, metrics, Sentry events, log lines. Safe to call twice."""
+        if self._flushed:
+            return
+        self._flushed = True
+        if self._tracer_provider is not None:
+            self._tracer_provider.force_flush(FLUSH_TIMEOUT_MS)
+            self._tracer_provider.shutdown()
+        else:
+            provider = trace.get_tracer_provider()
+            if hasattr(provider, "force_flush"):
+                provider.force_flush(FLUSH_TIMEOUT_MS)
+        if self._meter_provider is not None:
+            self._meter_provider.shutdown(FLUSH_TIMEOUT_MS)
+        if self._endpoint is not None:
+            self._endpoint.close()
+        if self.sentry:
+            import sentry_sdk
+
+            sentry_sdk.flush(timeout=FLUSH_TIMEOUT_MS / 1000)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+
+    def _start_tracing(self) -> TracerProvider:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider = TracerProvider()  # reads OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER*
+        for make in self._span_exporters:
+            provider.add_span_processor(BatchSpanProcessor(make()))
+        trace.set_tracer_provider(provider)
+        return provider
+
+    def _start_metrics(self) -> MeterProvider:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        interval = self.settings.otel.metric_export_interval
+        readers: list[MetricReader] = [
+            PeriodicExportingMetricReader(make(), export_interval_millis=interval) for make in self._metric_exporters
+        ]
+        if self.prometheus:
+            from .prometheus import Endpoint, SnapshotReader, snapshot_dir
+
+            otel = self.settings.otel
+            directory = snapshot_dir(self.namespace, otel.exporter_prometheus_port)
+            readers.append(SnapshotReader(directory, interval_ms=interval))
+            self._endpoint = Endpoint(directory, otel.exporter_prometheus_host, otel.exporter_prometheus_port)
+            self._endpoint.start()
+        provider = MeterProvider(metric_readers=readers)
+        metrics.set_meter_provider(provider)
+        return provider
+
+    def _start_sentry(self) -> None:
+        import sentry_sdk
+        from sentry_sdk.integrations.dramatiq import DramatiqIntegration
+        from sentry_sdk.integrations.logging import ignore_logger
+        from sentry_sdk.integrations.redis import RedisIntegration
+
+        sentry = self.settings.sentry
+        assert sentry.dsn is not None
+        sentry_sdk.init(
+            dsn=sentry.dsn.get_secret_value(),
+            environment=sentry.environment,
+            release=sentry.release,
+            traces_sample_rate=sentry.traces_sample_rate,
+            send_default_pii=sentry.send_default_pii,
+            # The kit's Sentry middleware does what Sentry's Dramatiq integration
+            # would (per message, without its duplicate events); the Redis one would
+            # record every poll of the consumers as a breadcrumb.
+            disabled_integrations=[DramatiqIntegration(), RedisIntegration()],
+        )
+        # The task log logs each failed attempt at ERROR; the Sentry middleware reports the final one.
+        for name in ("dramatiq_gp.tasks", "dramatiq.worker.WorkerThread"):
+            ignore_logger(name)
+
+
+def _sentry_active() -> bool:
+    try:
+        import sentry_sdk
+    except ImportError:
+        return False
+    return sentry_sdk.get_client().is_active()

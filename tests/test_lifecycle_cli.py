@@ -95,7 +95,7 @@ def test_sigterm_drains_the_running_listener_then_runs_closers_lifo(run_dramatiq
     assert worker.trace == ["listener started", "listener finished", "closer second", "closer first"]
     _in_order(
         worker.log,
-        "start-up: telemetry ready",
+        "start-up: logging ready",
         "start-up: registered 1 listener(s) for 1 event type(s), 0 schedule entries",
         "start-up: broker reachable at ",
         "start-up: consumers started on default with 2 threads",

@@ -240,7 +240,7 @@ def test_the_dispatching_trace_context_is_stored_and_travels_with_the_event(outb
     assert trace_id in row.trace_context["traceparent"]
     kit.relay.relay_once()
     (message,) = _queued(rdb, namespace)
-    assert message["args"][0]["trace"] == row.trace_context
+    assert message["options"]["gp_trace_origin"] == row.trace_context
 
 
 def test_relays_racing_in_threads_publish_each_event_once(outbox_kit, engine, rdb, namespace):

@@ -1,7 +1,13 @@
-"""The kit's processing middleware, one concern per module."""
+"""The kit's processing middleware, one concern per module.
+
+``Sentry`` lives in :mod:`dramatiq_gp.middleware.sentry`, imported only when
+sentry-sdk (the ``sentry`` extra) is installed.
+"""
 
 from .idempotency import ClaimUnavailable, IdempotentExecution
+from .metrics import Metrics
 from .panic import PanicRecovery
 from .task_log import TaskLog
+from .tracing import Tracing
 
-__all__ = ["ClaimUnavailable", "IdempotentExecution", "PanicRecovery", "TaskLog"]
+__all__ = ["ClaimUnavailable", "IdempotentExecution", "Metrics", "PanicRecovery", "TaskLog", "Tracing"]

@@ -36,10 +36,13 @@ import redis
 import sqlalchemy as sa
 from dramatiq import Message
 from dramatiq.errors import BrokerConnectionError
+from opentelemetry.metrics import Observation
 from pydantic import ValidationError
 
 from ..broker import Broker
 from ..events import event_type_named
+from ..metrics import instruments, observe
+from ..middleware.tracing import ORIGIN
 from ..registry import EVENT_QUEUE, event_actor_name
 from ..settings import OutboxSettings
 from .table import CHANNEL, OUTBOX_EVENTS
@@ -88,6 +91,16 @@ class Relay:
         self._thread: threading.Thread | None = None
         self._listener: psycopg.Connection[Any] | None = None
         self._last_purge = 0.0
+        self._published = instruments().outbox_published
+        self._backlog: tuple[float, int, float] = (0.0, 0, 0.0)  # read at, pending, oldest age
+        observe(
+            "dramatiq_gp.outbox.backlog",
+            "{event}",
+            "Outbox rows not yet relayed",
+            lambda: [Observation(self._read_backlog()[0])],
+        )
+        observe("dramatiq_gp.outbox.oldest_age", "s", "Age of the oldest outbox row not yet relayed",
+                lambda: [Observation(self._read_backlog()[1])])  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -138,6 +151,8 @@ class Relay:
                     conn.execute(sa.delete(OUTBOX_EVENTS).where(T.id.in_(published)))
             for row, error in poisoned:
                 self._set_back(conn, row, error, now)
+        if published:
+            self._published.add(len(published))
         return len(rows)
 
     def purge(self) -> int:
@@ -161,16 +176,38 @@ class Relay:
         except ValidationError as exc:
             raise PoisonEvent(f"payload does not match {kind.cls.__qualname__}: {exc}") from None
         envelope: dict[str, Any] = {"id": str(row.id), "event": row.event, "data": row.payload}
-        if row.trace_context:
-            envelope["trace"] = row.trace_context
         return Message(
             queue_name=EVENT_QUEUE,
             actor_name=event_actor_name(row.event),
             args=(envelope,),
             kwargs={},
-            options={},
+            # The dispatching code's context is the message's creation context.
+            options={ORIGIN: row.trace_context} if row.trace_context else {},
             message_id=str(row.id),
         )
+
+    def backlog(self) -> tuple[int, float]:
+        """Pending rows, and seconds since the oldest of them was written."""
+        with self.engine.connect() as conn:
+            count, oldest = conn.execute(
+                sa.select(sa.func.count(), sa.func.min(T.created_at)).where(
+                    T.published_at.is_(None), T.failed_at.is_(None)
+                )
+            ).one()
+        age = (_utcnow() - oldest.astimezone(UTC)).total_seconds() if oldest is not None else 0.0
+        return int(count), max(age, 0.0)
+
+    def _read_backlog(self) -> tuple[int, float]:
+        # Both gauges are read in one collection: one query serves them.
+        read_at, count, age = self._backlog
+        if time.monotonic() - read_at > 1.0:
+            try:
+                count, age = self.backlog()
+            except _OUTAGE as exc:
+                self.logger.warning("outbox backlog gauge: cannot read the outbox: %s", exc)
+                return 0, 0.0
+            self._backlog = (time.monotonic(), count, age)
+        return count, age
 
     def _set_back(self, conn: sa.Connection, row: Any, error: str, now: Any) -> None:
         attempts = row.attempts + 1
@@ -181,6 +218,7 @@ class Relay:
                 row.id, row.event, attempts, error, row.id,
             )  # fmt: skip
             values: dict[str, Any] = {"failed_at": now}
+            instruments().outbox_set_aside.add(1, {"event": row.event})
         else:
             delay = timedelta(seconds=min(2**attempts, 300))
             self.logger.warning(

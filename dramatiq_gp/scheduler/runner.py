@@ -31,8 +31,12 @@ from typing import Any
 
 import redis
 from dramatiq import Actor, Message
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.metrics import Observation
 
 from ..broker import Broker
+from ..metrics import instruments, observe
 from ..registry import Registry
 from ..settings import SchedulerSettings
 from .lease import Lease
@@ -97,7 +101,10 @@ class Runner:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._next: dict[str, datetime] = {}
+        self.tracer = trace.get_tracer("dramatiq_gp")
         self._declare_actors()
+        observe("dramatiq_gp.scheduler.leader", "1", "1 in the process that holds the scheduler lease, else 0",
+                lambda: [Observation(1 if self.lease.is_held() else 0, {"namespace": namespace})])  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -238,27 +245,51 @@ class Runner:
         """Enqueue ``entry``'s ``tick``; False when this process turns out not to lead."""
         if not self.lease.is_held() or self.lease.value is None:
             return False
-        message = self._message(entry, tick)
-        redis_id = str(uuid.uuid4())
-        message = message.copy(options={"redis_message_id": redis_id})
-        self.broker.emit_before("enqueue", message, None)
-        ns, queue = self.broker.namespace, entry.queue
-        result = self._fire_script(
-            keys=[self.lease.key, f"{self.prefix}:tick:{entry.name}:{_ms(tick)}", self.covered_key,
-                  f"{ns}:{queue}", f"{ns}:{queue}.msgs"],
-            args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), redis_id, message.encode()],
-        )  # fmt: skip
+        # Each firing starts a trace of its own, named after the entry.
+        with self.tracer.start_as_current_span(
+            f"schedule {entry.name}", context=Context(),
+            attributes={"dramatiq_gp.schedule.entry": entry.name, "dramatiq_gp.schedule.tick": tick.isoformat(),
+                        "dramatiq_gp.schedule.catch_up": catching_up},
+        ) as span:  # fmt: skip
+            result = self._enqueue_tick(entry, tick)
+            outcome = {1: "fired", 0: "deduplicated"}.get(result, "lease lost")
+            span.set_attribute("dramatiq_gp.schedule.outcome", outcome)
         if result == -1:
             self.logger.warning("schedule runner: %s not fired: this process no longer holds the lease", entry.name)
             return False
+        if outcome == "fired" and catching_up:
+            outcome = "caught_up"
+        instruments().scheduler_ticks.add(1, {"entry": entry.name, "outcome": outcome})
         if result == 1:
-            self.broker.emit_after("enqueue", message, None)
             lateness_ms = (datetime.now(UTC) - tick).total_seconds() * 1000
             self.logger.info(
                 "schedule runner: fired %s scheduled_at=%s lateness_ms=%.0f%s",
                 entry.name, tick.astimezone(entry.zone).isoformat(), lateness_ms, " (catch-up)" if catching_up else "",
             )  # fmt: skip
         return True
+
+    def _enqueue_tick(self, entry: Entry, tick: datetime) -> int:
+        """1: enqueued; 0: this tick was fired already; -1: the lease is lost."""
+        message = self._message(entry, tick)
+        redis_id = str(uuid.uuid4())
+        message = message.copy(options={"redis_message_id": redis_id})
+        self.broker.emit_before("enqueue", message, None)
+        ns, queue = self.broker.namespace, entry.queue
+        assert self.lease.value is not None
+        try:
+            result = int(self._fire_script(
+                keys=[self.lease.key, f"{self.prefix}:tick:{entry.name}:{_ms(tick)}", self.covered_key,
+                      f"{ns}:{queue}", f"{ns}:{queue}.msgs"],
+                args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), redis_id, message.encode()],
+            ))  # fmt: skip
+        except BaseException as exc:
+            self.broker.send_failed(message, exc)
+            raise
+        if result == 1:
+            self.broker.emit_after("enqueue", message, None)
+        else:
+            self.broker.send_failed(message, None)
+        return result
 
     def _message(self, entry: Entry, tick: datetime) -> Message[Any]:
         message_id = tick_message_id(entry.name, tick)

@@ -1,0 +1,182 @@
+"""Sentry: an isolated scope per message, the final failure reported once, Crons check-ins for jobs.
+
+Sentry's own Dramatiq integration reports every failed attempt (through
+Dramatiq's error log line), treats ``Retry`` as an error in some versions, sends
+message arguments regardless of ``send_default_pii`` and never flushes before a
+worker process exits. This middleware replaces it:
+
+* each message runs in its own isolation scope with no breadcrumbs from before,
+  tagged with its task type, queue, message id, attempt and trace id;
+* a failure is reported once, when Retries gives up (or the actor's ``throws``
+  marks it final), never for an attempt that will be retried, never for ``Retry``;
+* arguments go with the event only when ``send_default_pii`` is on;
+* a scheduled job reports Sentry Crons check-ins (in progress, then ok or
+  error), with its schedule as the monitor's configuration.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import sentry_sdk
+from dramatiq import Broker, Middleware, Retry
+from dramatiq.broker import MessageProxy
+from opentelemetry import trace
+from sentry_sdk.crons import capture_checkin
+from sentry_sdk.crons.consts import MonitorStatus
+from sentry_sdk.utils import event_from_exception
+
+from ..scheduler.cron import DESCRIPTORS, Cron, Every
+from ..scheduler.schedule import Entry
+from .tracing import DELIVERY
+
+_STATE = "_gp_sentry"
+_SLUG = re.compile(r"[^a-z0-9_-]+")
+#: Namespace of check-in ids (uuid5 of the message id), so every attempt of one run shares one.
+CHECK_IN_NAMESPACE = uuid.UUID("3c8a2f1e-6b7d-5c4e-9f10-2a3b4c5d6e7f")
+
+
+def monitor_slug(entry_name: str) -> str:
+    """Sentry's slug rules: lower case, digits, ``-`` and ``_``, at most 50 characters."""
+    return _SLUG.sub("-", entry_name.lower()).strip("-")[:50] or "job"
+
+
+def monitor_config(entry: Entry) -> dict[str, Any]:
+    """The entry's schedule in Sentry's monitor configuration."""
+    config: dict[str, Any] = {"timezone": entry.zone.key}
+    if isinstance(entry.spec, Every):
+        # Sentry's shortest interval unit is the minute.
+        config["schedule"] = {"type": "interval", "unit": "minute",
+                              "value": max(1, math.ceil(entry.spec.interval.total_seconds() / 60))}  # fmt: skip
+    else:
+        assert isinstance(entry.spec, Cron)
+        text = " ".join(entry.spec.text.split()).lower()
+        config["schedule"] = {"type": "crontab", "value": DESCRIPTORS.get(text, text)}
+    return config
+
+
+class Sentry(Middleware):
+    """Per-message Sentry scopes, final-failure reports and Crons check-ins.
+
+    Parameters:
+        send_default_pii: attach message arguments to events.
+        job_entry: finds the schedule entry of a ``job:<name>`` message (for its
+            check-ins); ``None`` turns check-ins off.
+    """
+
+    def __init__(self, *, send_default_pii: bool = False, job_entry: Callable[[str], Entry | None] | None = None):
+        self.send_default_pii = send_default_pii
+        self.job_entry = job_entry
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        scope_manager = sentry_sdk.isolation_scope()
+        scope = scope_manager.__enter__()
+        scope.clear_breadcrumbs()
+        attempt = message.options.get("retries", 0) + 1
+        tags = {"task_type": message.actor_name, "queue": message.queue_name,
+                "message_id": message.message_id, "attempt": attempt}  # fmt: skip
+        trace_id = _trace_id(message)
+        if trace_id:
+            tags["trace_id"] = trace_id
+        for key, value in tags.items():
+            scope.set_tag(key, value)
+        context = dict(tags)
+        context["args"] = list(message.args) if self.send_default_pii else "[Filtered]"
+        context["kwargs"] = dict(message.kwargs) if self.send_default_pii else "[Filtered]"
+        scope.set_context("dramatiq", context)
+        scope.set_transaction_name(message.actor_name)
+        transaction: Any = None
+        if sentry_sdk.get_client().options.get("traces_sample_rate") is not None:
+            continued = sentry_sdk.continue_trace(
+                _sentry_headers(message), op="queue.process", name=message.actor_name, source="task"
+            )
+            continued.set_data("messaging.message.id", message.message_id)
+            continued.set_data("messaging.destination.name", message.queue_name)
+            transaction = sentry_sdk.start_transaction(continued)
+            transaction.__enter__()
+        check_in = self._check_in(message, MonitorStatus.IN_PROGRESS)
+        setattr(message, _STATE, (scope_manager, scope, transaction, check_in))
+
+    def after_process_message(
+        self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        state = getattr(message, _STATE, None)
+        if state is None:
+            return
+        delattr(message, _STATE)
+        scope_manager, scope, transaction, check_in = state
+        try:
+            final = exception is not None and not isinstance(exception, Retry) and message.failed
+            if final:
+                assert exception is not None
+                event, hint = event_from_exception(
+                    exception,
+                    client_options=sentry_sdk.get_client().options,
+                    mechanism={"type": "dramatiq", "handled": False},
+                )
+                scope.capture_event(event, hint=hint)
+            if check_in is not None:
+                if exception is None:
+                    self._check_in(message, MonitorStatus.OK, check_in)
+                elif message.failed:
+                    self._check_in(message, MonitorStatus.ERROR, check_in)
+            if transaction is not None:
+                transaction.set_status("ok" if exception is None else "internal_error")
+                transaction.__exit__(None, None, None)
+        finally:
+            scope_manager.__exit__(None, None, None)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        state = getattr(message, _STATE, None)
+        if state is None:
+            return
+        delattr(message, _STATE)
+        scope_manager, _, transaction, _ = state
+        try:
+            if transaction is not None:
+                transaction.__exit__(None, None, None)
+        finally:
+            scope_manager.__exit__(None, None, None)
+
+    def _check_in(
+        self, message: MessageProxy, status: str, check_in: tuple[str, str, float] | None = None
+    ) -> tuple[str, str, float] | None:
+        if self.job_entry is None or not message.actor_name.startswith("job:"):
+            return None
+        entry = self.job_entry(message.actor_name.removeprefix("job:"))
+        if entry is None:
+            return None
+        slug = monitor_slug(entry.name)
+        if check_in is None:
+            check_in_id = uuid.uuid5(CHECK_IN_NAMESPACE, message.message_id).hex
+            capture_checkin(slug, check_in_id, status, monitor_config=monitor_config(entry))  # type: ignore[arg-type]
+            return slug, check_in_id, time.monotonic()
+        slug, check_in_id, started = check_in
+        capture_checkin(slug, check_in_id, status, duration=time.monotonic() - started)
+        return check_in
+
+
+def _trace_id(message: MessageProxy) -> str | None:
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        return format(context.trace_id, "032x")
+    traceparent = (message.options.get(DELIVERY) or {}).get("traceparent", "")
+    parts = traceparent.split("-")
+    return parts[1] if len(parts) == 4 else None
+
+
+def _sentry_headers(message: MessageProxy) -> dict[str, str]:
+    """The message's W3C context as Sentry's ``sentry-trace`` header: one trace id in both tools."""
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        sampled = "1" if context.trace_flags.sampled else "0"
+        return {"sentry-trace": f"{context.trace_id:032x}-{context.span_id:016x}-{sampled}"}
+    parts = (message.options.get(DELIVERY) or {}).get("traceparent", "").split("-")
+    if len(parts) == 4:
+        return {"sentry-trace": f"{parts[1]}-{parts[2]}-{'1' if parts[3].endswith('1') else '0'}"}
+    return {}

@@ -1,0 +1,158 @@
+"""Tracing: a PRODUCER span for every message sent, a CONSUMER span for every message processed.
+
+A message carries two W3C contexts in its options: ``gp_trace``, the span that
+sent this copy of it (rewritten at each send, retries included), and
+``gp_trace_origin``, the creation context, written once and never replaced. The
+process span is a child of the first and links to the second, so a request,
+the outbox row it wrote, the relay, the fan-out and each listener are one trace,
+and a retry stays in it, linked to where the message began.
+
+Every send goes through ``before_enqueue``/``after_enqueue`` (Dramatiq's own
+``enqueue``, the kit's batches, delayed copies and scheduler firings alike). A
+send that fails before ``after_enqueue`` is reported through
+:attr:`Broker.on_send_failed <dramatiq_gp.Broker.on_send_failed>`, so no span is left open.
+
+Spans follow the messaging semantic conventions, with one deviation: the task
+type names the span (``send <task type>``, ``process <task type>``) rather than
+the queue, because most applications send everything to ``default``; the queue
+is ``messaging.destination.name``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dramatiq import Broker, Message, Middleware, Retry
+from dramatiq.broker import MessageProxy
+from dramatiq.common import q_name
+from opentelemetry import context, propagate, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+#: Options carrying the W3C context of the span that sent this copy, and of the first send.
+DELIVERY = "gp_trace"
+ORIGIN = "gp_trace_origin"
+_STATE = "_gp_span"
+
+
+def error_type(exc: BaseException) -> str:
+    """The fully qualified exception class, as ``error.type`` wants it."""
+    cls = type(exc)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Tracing(Middleware):
+    """Producer and consumer spans, with the trace context carried in message options."""
+
+    def __init__(self) -> None:
+        self.tracer = trace.get_tracer("dramatiq_gp")
+        self._sending = threading.local()
+
+    # -- producer ----------------------------------------------------------------------
+
+    def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        options = message.options
+        parent = None  # the active span, when there is one
+        if ORIGIN in options and not trace.get_current_span().get_span_context().is_valid:
+            parent = propagate.extract(options[ORIGIN])  # e.g. the request that wrote an outbox row
+        attributes = _attributes(message, "send")
+        if delay:
+            attributes["dramatiq_gp.delay_ms"] = delay
+        span = self.tracer.start_span(
+            f"send {message.actor_name}", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
+        )
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span, parent))
+        if carrier:
+            options[DELIVERY] = carrier
+            options.setdefault(ORIGIN, carrier)
+        self._pending()[message.message_id] = span
+
+    def after_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        span = self._pending().pop(message.message_id, None)
+        if span is not None:
+            span.end()
+
+    def send_failed(self, message: Message[Any], error: BaseException | None) -> None:
+        """End the span of a send that never reached ``after_enqueue``."""
+        span = self._pending().pop(message.message_id, None)
+        if span is None:
+            return
+        if error is not None:
+            span.record_exception(error)
+            span.set_attribute("error.type", error_type(error))
+            span.set_status(Status(StatusCode.ERROR, str(error)))
+        else:
+            span.set_attribute("dramatiq_gp.sent", False)
+        span.end()
+
+    def _pending(self) -> dict[str, trace.Span]:
+        pending: dict[str, trace.Span] | None = getattr(self._sending, "spans", None)
+        if pending is None:
+            pending = self._sending.spans = {}
+        return pending
+
+    # -- consumer ----------------------------------------------------------------------
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        options = message.options
+        delivery, origin = options.get(DELIVERY), options.get(ORIGIN)
+        # A message without a context starts a trace of its own, whatever the thread ran before.
+        parent = propagate.extract(delivery or origin) if (delivery or origin) else context.Context()
+        links = []
+        if origin and delivery and origin != delivery:
+            created = trace.get_current_span(propagate.extract(origin)).get_span_context()
+            if created.is_valid:
+                links.append(Link(created, {"messaging.operation.type": "create"}))
+        attributes = _attributes(message, "process")
+        attributes["dramatiq_gp.attempt"] = options.get("retries", 0) + 1
+        span = self.tracer.start_span(
+            f"process {message.actor_name}", context=parent, kind=SpanKind.CONSUMER,
+            links=links, attributes=attributes,
+        )  # fmt: skip
+        token = context.attach(trace.set_span_in_context(span, parent))
+        setattr(message, _STATE, (span, token))
+
+    def after_process_message(
+        self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        state = getattr(message, _STATE, None)
+        if state is None:
+            return
+        span, token = state
+        delattr(message, _STATE)
+        try:
+            if exception is not None:
+                span.set_attribute("dramatiq_gp.will_retry", not message.failed)
+                if isinstance(exception, Retry):
+                    span.add_event("retry requested")
+                else:
+                    span.record_exception(exception)
+                    span.set_attribute("error.type", error_type(exception))
+                    span.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {exception}"))
+            span.end()
+        finally:
+            context.detach(token)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        state = getattr(message, _STATE, None)
+        if state is None:
+            return
+        span, token = state
+        delattr(message, _STATE)
+        try:
+            span.set_attribute("dramatiq_gp.skipped", True)
+            span.end()
+        finally:
+            context.detach(token)
+
+
+def _attributes(message: Message[Any] | MessageProxy, operation: str) -> dict[str, Any]:
+    return {
+        "messaging.system": "redis",
+        "messaging.operation.type": operation,
+        "messaging.operation.name": operation,
+        "messaging.destination.name": q_name(message.queue_name),
+        "messaging.message.id": message.message_id,
+        "dramatiq_gp.task_type": message.actor_name,
+    }

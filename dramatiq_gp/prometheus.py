@@ -1,0 +1,251 @@
+"""A Prometheus ``/metrics`` endpoint for a worker with several processes.
+
+The dramatiq CLI runs N worker processes; a scrape must see all of them, and
+one process must serve it. Each process writes a snapshot of its metrics
+(cumulative since it started) to ``<dir>/<pid>.json`` every export interval and
+when it stops; every process tries to bind the port, the one that gets it serves,
+and if it goes away another takes over within an interval. A scrape adds up
+counters and histograms over all snapshots (a process that exited keeps its
+counts) and shows gauges per live process, with a ``pid`` label.
+
+The directory is ``PROMETHEUS_MULTIPROC_DIR`` when set, else one per namespace
+and port under the system's temporary directory; snapshots of dead processes
+are removed when a process starts.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import (
+    Gauge,
+    Histogram,
+    HistogramDataPoint,
+    MetricExportResult,
+    MetricReader,
+    MetricsData,
+    Sum,
+)
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[^a-zA-Z0-9_:]")
+_UNITS = {"s": "seconds", "ms": "milliseconds", "By": "bytes"}
+
+
+def snapshot_dir(namespace: str, port: int) -> Path:
+    configured = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    path = Path(configured) if configured else Path(tempfile.gettempdir()) / f"dramatiq-gp-metrics-{namespace}-{port}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def prometheus_name(name: str, unit: str, kind: str) -> str:
+    base = _NAME.sub("_", name)
+    suffix = _UNITS.get(unit, "")
+    if suffix and not base.endswith(suffix):
+        base = f"{base}_{suffix}"
+    return f"{base}_total" if kind == "counter" and not base.endswith("_total") else base
+
+
+class SnapshotReader(MetricReader):
+    """Writes this process's metrics to ``<directory>/<pid>.json`` every ``interval_ms`` and at shutdown."""
+
+    def __init__(self, directory: Path, *, interval_ms: int) -> None:
+        super().__init__()
+        self.directory = directory
+        self.path = directory / f"{os.getpid()}.json"
+        self._interval = interval_ms / 1000
+        self._stop = threading.Event()
+        for stale in directory.glob("*.json"):
+            if stale.stem.isdigit() and not _alive(int(stale.stem)):
+                stale.unlink(missing_ok=True)
+        self._thread = threading.Thread(target=self._run, name="metrics-snapshot", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.collect()
+            except Exception:
+                logger.exception("could not write the metrics snapshot %s", self.path)
+
+    def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+        samples = list(_samples(metrics_data))
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"pid": os.getpid(), "samples": samples}))
+        temporary.replace(self.path)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._stop.set()
+        self.collect(timeout_millis=timeout_millis)
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        self.collect(timeout_millis=timeout_millis)
+        return True
+
+    @property
+    def export_result(self) -> MetricExportResult:
+        return MetricExportResult.SUCCESS
+
+
+def _samples(data: MetricsData) -> Iterable[dict[str, Any]]:
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                points = metric.data
+                if isinstance(points, Sum):
+                    kind = "counter" if points.is_monotonic else "gauge"
+                elif isinstance(points, Gauge):
+                    kind = "gauge"
+                elif isinstance(points, Histogram):
+                    kind = "histogram"
+                else:
+                    continue
+                name = prometheus_name(metric.name, metric.unit or "", kind)
+                for point in points.data_points:
+                    sample: dict[str, Any] = {
+                        "name": name, "kind": kind, "help": metric.description or "",
+                        "labels": {_NAME.sub("_", k): str(v) for k, v in (point.attributes or {}).items()},
+                    }  # fmt: skip
+                    if isinstance(point, HistogramDataPoint):
+                        sample.update(bounds=list(point.explicit_bounds), counts=list(point.bucket_counts),
+                                      sum=point.sum, count=point.count)  # fmt: skip
+                    else:
+                        sample["value"] = point.value
+                    yield sample
+
+
+def render(directory: Path) -> str:
+    """The Prometheus text exposition of every snapshot in ``directory``."""
+    families: dict[str, dict[str, Any]] = {}
+    values: dict[str, dict[tuple[tuple[str, str], ...], Any]] = defaultdict(dict)
+    for path in sorted(directory.glob("*.json")):
+        try:
+            snapshot = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced right now, or gone
+        pid = int(snapshot["pid"])
+        live = _alive(pid)
+        for sample in snapshot["samples"]:
+            kind = sample["kind"]
+            labels = dict(sample["labels"])
+            if kind == "gauge":
+                if not live:
+                    continue
+                labels["pid"] = str(pid)
+            families.setdefault(sample["name"], {"kind": kind, "help": sample["help"]})
+            key = tuple(sorted(labels.items()))
+            seen = values[sample["name"]].get(key)
+            if kind == "histogram":
+                if seen is None:
+                    empty = {"bounds": sample["bounds"], "counts": [0] * len(sample["counts"]), "sum": 0.0, "count": 0}
+                    seen = values[sample["name"]][key] = empty
+                seen["counts"] = [a + b for a, b in zip(seen["counts"], sample["counts"], strict=True)]
+                seen["sum"] += sample["sum"]
+                seen["count"] += sample["count"]
+            else:
+                values[sample["name"]][key] = (seen or 0) + sample["value"]
+    lines = []
+    for name in sorted(families):
+        family = families[name]
+        kind = family["kind"]
+        if family["help"]:
+            lines.append(f"# HELP {name} {family['help']}")
+        lines.append(f"# TYPE {name} {kind}")
+        for key, value in sorted(values[name].items()):
+            if kind != "histogram":
+                lines.append(f"{name}{_labels(key)} {_number(value)}")
+                continue
+            cumulative = 0
+            for bound, count in zip([*value["bounds"], math.inf], value["counts"], strict=True):
+                cumulative += count
+                le = "+Inf" if bound == math.inf else _number(bound)
+                lines.append(f"{name}_bucket{_labels((*key, ('le', le)))} {cumulative}")
+            lines.append(f"{name}_sum{_labels(key)} {_number(value['sum'])}")
+            lines.append(f"{name}_count{_labels(key)} {value['count']}")
+    return "\n".join(lines) + "\n"
+
+
+def _labels(pairs: Iterable[tuple[str, str]]) -> str:
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+    return f"{{{inner}}}" if inner else ""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+class Endpoint:
+    """Serves ``/metrics`` from ``directory`` on ``host:port`` in whichever process binds first."""
+
+    def __init__(self, directory: Path, host: str, port: int, *, retry_s: float = 5.0) -> None:
+        self.directory, self.host, self.port, self.retry_s = directory, host, port, retry_s
+        self._server: ThreadingHTTPServer | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="metrics-endpoint", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _run(self) -> None:
+        directory = self.directory
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                body = render(directory).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # a scrape every few seconds is not worth a log line
+
+        while not self._stop.is_set():
+            try:
+                self._server = ThreadingHTTPServer((self.host, self.port), Handler)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    logger.error("metrics: cannot serve Prometheus on %s:%d: %s", self.host, self.port, exc)
+                    return
+                self._stop.wait(self.retry_s)  # another process serves; take over if it goes
+                continue
+            logger.info("metrics: serving Prometheus on http://%s:%d/metrics", self.host, self.port)
+            self._server.serve_forever(poll_interval=0.5)
+            return
