@@ -26,6 +26,7 @@ import dramatiq
 import redis
 from dramatiq import Middleware
 from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, Retries, ShutdownNotifications, TimeLimit
+from opentelemetry import trace
 
 from .broker import Broker
 from .errors import BrokerUnreachable, GPError
@@ -71,6 +72,8 @@ class Kit:
         engine: the database holding the outbox; defaults to one built from ``DB_*``.
             With a database, :meth:`dispatch` goes through the outbox and each worker
             process runs a relay (unless ``OUTBOX_RELAY=false``).
+        tracer_provider: where the kit's spans go; defaults to the global one
+            (installed from ``OTEL_*`` in each worker process, or by the application).
 
     Raises:
         ConfigError: an environment variable is invalid.
@@ -85,12 +88,13 @@ class Kit:
         broker_options: Mapping[str, Any] | None = None,
         middleware: Sequence[Middleware] = (),
         engine: sa.Engine | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         global _current
         self.settings = settings if settings is not None else Settings.from_env()
         configure_logging(self.settings.log)
         namespace = (broker_options or {}).get("namespace") or self.settings.queue.namespace
-        self.telemetry = Telemetry(self.settings, namespace=namespace)
+        self.telemetry = Telemetry(self.settings, namespace=namespace, tracer_provider=tracer_provider)
         logger.info(
             "start-up: logging ready (level %s, %s); tracing %s, metrics %s, Sentry %s",
             logging.getLevelName(logging.getLogger().level), self.settings.log.format,
@@ -192,6 +196,7 @@ class Kit:
             registry=self.registry,
             settings=self.settings.scheduler,
             namespace=self.settings.scheduler.namespace or self.broker.namespace,
+            tracer_provider=self.telemetry.tracer_provider,
         )
         self._producers.insert(0, runner)  # stops first: no firing while the relay winds down
         return runner
@@ -220,7 +225,7 @@ class Kit:
         idempotency = IdempotentExecution(
             client=client, key_prefix=f"{namespace}:gp:done:", retention_ms=_ms(worker.dedup_retention)
         )
-        tracing = Tracing() if self.telemetry.tracing else None
+        tracing = Tracing(self.telemetry.tracer_provider) if self.telemetry.tracing else None
         middleware: list[Middleware] = [
             lifecycle,
             *([tracing] if tracing else []),

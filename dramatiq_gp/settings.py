@@ -280,7 +280,9 @@ class LogSettings(BaseSettings):
         return "level" in self.model_fields_set
 
 
-def _exporters(value: object) -> tuple[str, ...]:
+def _exporters(value: object) -> tuple[str, ...] | None:
+    if value is None or isinstance(value, tuple):
+        return value
     names = tuple(name.strip().lower() for name in str(value).split(",") if name.strip())
     if not names:
         raise ValueError("expected exporter names separated by commas, e.g. otlp or console or none")

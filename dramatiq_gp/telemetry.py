@@ -21,6 +21,8 @@ import logging
 import multiprocessing.util
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 #: The dramatiq CLI's format, so programmatic and CLI workers read alike.
 LOG_FORMAT = "[%(asctime)s] [PID %(process)d] [%(threadName)s] [%(name)s] [%(levelname)s] %(message)s"
 
-#: How long the last flush may wait for each exporter.
+#: How long the last flush may wait for the exporters, all together.
 FLUSH_TIMEOUT_MS = 5_000
 
 _OTLP_EXTRA = "pip install 'dramatiq-gp[otlp]'"
@@ -182,14 +184,19 @@ class Telemetry:
     Parameters:
         settings: the ``LOG_*``, ``OTEL_*`` and ``SENTRY_*`` groups are read.
         namespace: names the Prometheus snapshot directory, so two apps on one host keep theirs apart.
+        tracer_provider: the application's provider for the kit's spans, instead of the global one.
 
     Raises:
         ConfigError: an exporter name is unknown or its package missing, or
             ``SENTRY_DSN`` is set without sentry-sdk installed.
     """
 
-    def __init__(self, settings: Settings, *, namespace: str) -> None:
+    def __init__(
+        self, settings: Settings, *, namespace: str, tracer_provider: trace.TracerProvider | None = None
+    ) -> None:
         self.settings = settings
+        #: The application's own provider for the kit's spans; ``None`` means the global one.
+        self.tracer_provider = tracer_provider
         self.namespace = namespace
         otel = settings.otel
         self._span_exporters = [span_exporter_factory(name) for name in otel.traces()]
@@ -201,7 +208,7 @@ class Telemetry:
             except ImportError:
                 raise ConfigError(f"SENTRY_DSN is set but sentry-sdk is not installed: {_SENTRY_EXTRA}") from None
         #: Whether messages get spans: exporters configured here, or a provider set up by the application.
-        self.tracing = bool(self._span_exporters) or application_tracer_provider()
+        self.tracing = tracer_provider is not None or bool(self._span_exporters) or application_tracer_provider()
         self.metrics = bool(self._metric_exporters) or self.prometheus or application_meter_provider()
         self.sentry = settings.sentry.dsn is not None or _sentry_active()
         self._tracer_provider: TracerProvider | None = None
@@ -216,7 +223,7 @@ class Telemetry:
             return
         self._started_pid, self._flushed = os.getpid(), False
         started = []
-        if self._span_exporters and not application_tracer_provider():
+        if self._span_exporters and self.tracer_provider is None and not application_tracer_provider():
             self._tracer_provider = self._start_tracing()
             started.append(f"traces to {', '.join(self.settings.otel.traces())}")
         if (self._metric_exporters or self.prometheus) and not application_meter_provider():
@@ -233,25 +240,44 @@ class Telemetry:
             logger.info("start-up: telemetry exports %s", "; ".join(started))
 
     def flush(self) -> None:
-        """Export what is still buffered: spans, metrics, Sentry events, log lines. Safe to call twice."""
+        """Export what is still buffered: spans, metrics, Sentry events, log lines. Safe to call twice.
+
+        The exporters flush side by side, and the whole flush waits at most
+        ``FLUSH_TIMEOUT_MS``: an unreachable collector or Sentry delays shutdown
+        by that much, never more (what has not left by then is dropped, and said so).
+        """
         if self._flushed:
             return
         self._flushed = True
+        steps: list[tuple[str, Callable[[], object]]] = []
         if self._tracer_provider is not None:
-            self._tracer_provider.force_flush(FLUSH_TIMEOUT_MS)
-            self._tracer_provider.shutdown()
+            steps.append(("spans", self._tracer_provider.shutdown))
         else:
-            provider = trace.get_tracer_provider()
+            provider = self.tracer_provider or trace.get_tracer_provider()
             if hasattr(provider, "force_flush"):
-                provider.force_flush(FLUSH_TIMEOUT_MS)
+                steps.append(("spans", lambda: provider.force_flush(FLUSH_TIMEOUT_MS)))
         if self._meter_provider is not None:
-            self._meter_provider.shutdown(FLUSH_TIMEOUT_MS)
+            meter_provider = self._meter_provider
+            steps.append(("metrics", lambda: meter_provider.shutdown(FLUSH_TIMEOUT_MS)))
         if self._endpoint is not None:
             self._endpoint.close()
         if self.sentry:
             import sentry_sdk
 
-            sentry_sdk.flush(timeout=FLUSH_TIMEOUT_MS / 1000)
+            steps.append(("Sentry events", lambda: sentry_sdk.flush(timeout=FLUSH_TIMEOUT_MS / 1000)))
+        threads = [threading.Thread(target=_logged(name, step), name=f"flush {name}", daemon=True)
+                   for name, step in steps]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + FLUSH_TIMEOUT_MS / 1000
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        late = [thread.name.removeprefix("flush ") for thread in threads if thread.is_alive()]
+        if late:
+            logger.warning(
+                "shutdown: telemetry flush gave up after %d ms; %s may be lost (exporter unreachable?)",
+                FLUSH_TIMEOUT_MS, ", ".join(late),
+            )  # fmt: skip
         for handler in logging.getLogger().handlers:
             handler.flush()
 
@@ -307,6 +333,16 @@ class Telemetry:
         # The task log logs each failed attempt at ERROR; the Sentry middleware reports the final one.
         for name in ("dramatiq_gp.tasks", "dramatiq.worker.WorkerThread"):
             ignore_logger(name)
+
+
+def _logged(name: str, step: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            step()
+        except Exception:
+            logger.exception("shutdown: flushing %s failed", name)
+
+    return run
 
 
 def _sentry_active() -> bool:

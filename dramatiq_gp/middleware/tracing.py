@@ -42,10 +42,14 @@ def error_type(exc: BaseException) -> str:
 
 
 class Tracing(Middleware):
-    """Producer and consumer spans, with the trace context carried in message options."""
+    """Producer and consumer spans, with the trace context carried in message options.
 
-    def __init__(self) -> None:
-        self.tracer = trace.get_tracer("dramatiq_gp")
+    Parameters:
+        tracer_provider: where the spans go; ``None`` means the global provider.
+    """
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
+        self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
         self._sending = threading.local()
 
     # -- producer ----------------------------------------------------------------------
@@ -53,8 +57,12 @@ class Tracing(Middleware):
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
         options = message.options
         parent = None  # the active span, when there is one
-        if ORIGIN in options and not trace.get_current_span().get_span_context().is_valid:
-            parent = propagate.extract(options[ORIGIN])  # e.g. the request that wrote an outbox row
+        if not trace.get_current_span().get_span_context().is_valid:
+            # Sent from no span (the relay; a delayed message moved to its queue when
+            # due): continue from the message's last send, or from its creation
+            # context, e.g. the request that wrote an outbox row.
+            sent = options.get(DELIVERY) or options.get(ORIGIN)
+            parent = propagate.extract(sent) if sent else None
         attributes = _attributes(message, "send")
         if delay:
             attributes["dramatiq_gp.delay_ms"] = delay

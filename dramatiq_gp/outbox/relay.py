@@ -194,8 +194,11 @@ class Relay:
                     T.published_at.is_(None), T.failed_at.is_(None)
                 )
             ).one()
-        age = (_utcnow() - oldest.astimezone(UTC)).total_seconds() if oldest is not None else 0.0
-        return int(count), max(age, 0.0)
+        if oldest is None:
+            return int(count), 0.0
+        if oldest.tzinfo is None:  # SQLite: naive, in UTC
+            oldest = oldest.replace(tzinfo=UTC)
+        return int(count), max((datetime.now(UTC) - oldest).total_seconds(), 0.0)
 
     def _read_backlog(self) -> tuple[int, float]:
         # Both gauges are read in one collection: one query serves them.

@@ -83,12 +83,20 @@ class Runner:
         registry: the listeners scheduled events fan out to.
         settings: ``SCHEDULER_*``.
         namespace: the scheduler's key prefix.
+        tracer_provider: where each firing's root span goes; ``None`` means the global provider.
     """
 
     name = "schedule runner"
 
     def __init__(
-        self, *, schedule: Schedule, broker: Broker, registry: Registry, settings: SchedulerSettings, namespace: str
+        self,
+        *,
+        schedule: Schedule,
+        broker: Broker,
+        registry: Registry,
+        settings: SchedulerSettings,
+        namespace: str,
+        tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.schedule, self.broker, self.registry, self.settings = schedule, broker, registry, settings
@@ -101,7 +109,7 @@ class Runner:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._next: dict[str, datetime] = {}
-        self.tracer = trace.get_tracer("dramatiq_gp")
+        self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
         self._declare_actors()
         observe("dramatiq_gp.scheduler.leader", "1", "1 in the process that holds the scheduler lease, else 0",
                 lambda: [Observation(1 if self.lease.is_held() else 0, {"namespace": namespace})])  # fmt: skip

@@ -17,3 +17,9 @@ class Slow:
 @dataclass(frozen=True)
 class Numbered:
     n: int
+
+
+@gp.event("test.telemetry.order_placed")
+@dataclass(frozen=True)
+class OrderPlaced:
+    order_id: int

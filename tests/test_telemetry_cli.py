@@ -1,0 +1,288 @@
+"""Telemetry in real ``dramatiq`` worker processes, exporting to a local stand-in collector and Sentry.
+
+Exporters start in each forked worker process and must be flushed before it
+exits (Dramatiq's children leave through ``os._exit``, skipping ``atexit``), so
+these run the real CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from collector import Collector, start_collector
+from dramatiq import Message
+from dramatiq.brokers.redis import RedisBroker
+from opentelemetry.sdk.trace import TracerProvider
+
+import dramatiq_gp as gp
+from apps.app_events import OrderPlaced
+from helpers import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCER, CONSUMER = 4, 5  # OTLP span kinds
+
+
+class Worker:
+    """``dramatiq tests.apps.telemetry_app`` with its output in a file."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str], *args: str, processes: int = 1) -> None:
+        self.log_file = tmp_path / f"worker-{time.monotonic_ns()}.log"
+        command = [sys.executable, "-m", "dramatiq", "tests.apps.telemetry_app", "-p", str(processes), "-t", "4", *args]
+        with open(self.log_file, "w") as log:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    @property
+    def log(self) -> str:
+        return self.log_file.read_text()
+
+    def stop(self, timeout: float = 30) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def collector() -> Iterator[Collector]:
+    collector, server = start_collector()
+    yield collector
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def worker_env(clean_env: pytest.MonkeyPatch, redis_url: str, namespace: str) -> dict[str, str]:
+    return {"REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace, "WORKER_MIN_BACKOFF": "10ms",
+            "WORKER_MAX_BACKOFF": "50ms"}  # fmt: skip
+
+
+@pytest.fixture
+def run_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
+    workers: list[Worker] = []
+
+    def run(env: dict[str, str], *args: str, processes: int = 1) -> Worker:
+        worker = Worker(tmp_path, {**worker_env, **env}, *args, processes=processes)
+        workers.append(worker)
+        wait_for(lambda: "consumers started" in worker.log or worker.process.poll() is not None, timeout=30)
+        assert worker.process.poll() is None, worker.log
+        return worker
+
+    yield run
+    for worker in workers:
+        worker.kill()
+
+
+@pytest.fixture
+def producer(redis_url: str, namespace: str) -> Iterator[RedisBroker]:
+    """A plain Dramatiq broker on the worker's namespace, to send the app's actors messages."""
+    broker = RedisBroker(url=redis_url, namespace=namespace)
+    yield broker
+    broker.close()
+
+
+def send(broker: RedisBroker, actor: str, *args: Any, queue: str = "default") -> str:
+    message = Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options={})
+    return str(broker.enqueue(message).message_id)
+
+
+def test_an_outbox_dispatch_is_one_trace_through_the_relay_to_both_listeners_and_json_logs_carry_it(
+    run_worker, collector, engine, database_url
+):
+    worker = run_worker(
+        {"DB_URL": database_url, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
+         "OTEL_SERVICE_NAME": "gp-test-worker", "LOG_FORMAT": "json"},
+        "--skip-logging",
+    )  # fmt: skip
+    tracer = TracerProvider().get_tracer("test-web-app")
+    with tracer.start_as_current_span("POST /orders") as request, engine.begin() as conn:
+        gp.dispatch(conn, OrderPlaced(41))
+    wait_for(lambda: len(collector.spans_named("process listener:")) == 2, timeout=20)
+    assert worker.stop() == 0
+
+    spans = {span.span_id: span for span in collector.spans}
+    trace_id = format(request.get_span_context().trace_id, "032x")
+    request_id = format(request.get_span_context().span_id, "016x")
+    (relay_send,) = collector.spans_named("send event:test.telemetry.order_placed")
+    assert relay_send.kind == PRODUCER and relay_send.parent_id == request_id
+    (fan_out,) = collector.spans_named("process event:test.telemetry.order_placed")
+    assert fan_out.kind == CONSUMER and fan_out.parent_id == relay_send.span_id
+    listeners = collector.spans_named("process listener:")
+    for process in listeners:
+        send_span = spans[process.parent_id]
+        assert send_span.kind == PRODUCER and send_span.parent_id == fan_out.span_id
+        assert process.kind == CONSUMER and process.trace_id == trace_id
+    assert {p.attributes["messaging.destination.name"] for p in listeners} == {"default", "stock"}
+
+    # Every line the worker wrote is one JSON object; the listeners' lines carry their span.
+    records = [json.loads(line) for line in worker.log.splitlines() if line.strip()]
+    by_message = {r["message"]: r for r in records}
+    mail_span = next(p for p in listeners if p.name.endswith(":mail"))
+    assert by_message["mailing order 41"]["trace_id"] == trace_id
+    assert by_message["mailing order 41"]["span_id"] == mail_span.span_id
+    done = [r for r in records if r["message"].startswith("task done") and r["task_type"].endswith(":mail")]
+    assert done and done[0]["trace_id"] == trace_id and done[0]["attempt"] == 1 and "duration_ms" in done[0]
+    assert any(r["logger"].startswith("dramatiq.") for r in records)  # Dramatiq's own lines too
+
+
+def test_a_task_finished_just_before_sigterm_is_exported_with_the_default_batch_delay(run_worker, collector, producer):
+    worker = run_worker({"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint})  # batch delay: the default 5 s
+    message_id = send(producer, "quick", 1)
+    wait_for(lambda: "task done task_type=quick" in worker.log)
+    time.sleep(0.1)
+    started = time.monotonic()
+    assert worker.stop() == 0
+    assert time.monotonic() - started < 10
+    assert [s.message_id for s in collector.spans_named("process quick")] == [message_id]
+
+
+def test_a_second_sigterm_still_flushes_what_finished(run_worker, collector, producer):
+    worker = run_worker({"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint})
+    message_id = send(producer, "quick", 2)
+    wait_for(lambda: "task done task_type=quick" in worker.log)
+    send(producer, "sleepy", 60)
+    wait_for(lambda: "task started task_type=sleepy" in worker.log)
+    worker.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: "stopping producers" in worker.log)
+    worker.process.send_signal(signal.SIGTERM)  # impatient: kill the drain
+    worker.process.wait(30)
+    assert [s.message_id for s in collector.spans_named("process quick")] == [message_id]
+
+
+def test_sentry_gets_one_event_per_final_failure_none_for_a_recovered_retry_and_no_leaked_breadcrumbs(
+    run_worker, collector, producer, rdb, namespace
+):
+    worker = run_worker({"SENTRY_DSN": collector.dsn, "SENTRY_ENVIRONMENT": "test", "GP_TEST_CRON": "1",
+                         "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+                         "OTEL_BSP_SCHEDULE_DELAY": "100"})  # fmt: skip
+    failing = send(producer, "always_fails", "a")
+    send(producer, "fails_once", "b")
+    for n in range(30):
+        send(producer, "quick", n)
+    wait_for(lambda: worker.log.count("task done task_type=quick") == 30)
+    wait_for(lambda: "task done task_type=fails_once" in worker.log)
+    wait_for(lambda: worker.log.count("task failed task_type=always_fails") == 3)
+    wait_for(lambda: {"in_progress", "ok"} <= {c["status"] for c in collector.items("check_in")}, timeout=15)
+    assert worker.stop() == 0
+
+    (event,) = collector.items("event")
+    assert event["environment"] == "test"
+    assert event["exception"]["values"][-1]["type"] == "ValueError"
+    assert event["exception"]["values"][-1]["mechanism"] == {"type": "dramatiq", "handled": False}
+    tags = event["tags"]
+    assert (tags["task_type"], tags["queue"], tags["message_id"], str(tags["attempt"])) == (
+        "always_fails", "default", failing, "3",
+    )  # fmt: skip
+    (process,) = [s for s in collector.spans_named("process always_fails") if s.attributes["dramatiq_gp.attempt"] == 3]
+    assert tags["trace_id"] == process.trace_id
+    crumbs = [c for c in event.get("breadcrumbs", {}).get("values", [])]
+    # This attempt's own, nothing from earlier attempts or the quick tasks running beside it.
+    assert [c["message"] for c in crumbs if c.get("category") == "test"] == ["always_fails a"]
+    assert not any("quick" in str(c.get("message")) or "fails_once" in str(c.get("message")) for c in crumbs)
+    assert event["contexts"]["dramatiq"]["args"] == "[Filtered]"
+
+    check_ins = [c for c in collector.items("check_in") if c["monitor_slug"] == "heartbeat"]
+    first = check_ins[0]
+    assert first["status"] == "in_progress"
+    assert first["monitor_config"]["schedule"] == {"type": "interval", "unit": "minute", "value": 1}
+    closing = [c for c in check_ins if c["check_in_id"] == first["check_in_id"] and c["status"] == "ok"]
+    assert len(closing) == 1 and closing[0]["duration"] >= 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_prometheus_endpoint_adds_up_every_worker_process(run_worker, producer, tmp_path):
+    port = _free_port()
+    worker = run_worker(
+        {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+         "OTEL_EXPORTER_PROMETHEUS_PORT": str(port), "OTEL_METRIC_EXPORT_INTERVAL": "300",
+         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")},
+        processes=2,
+    )  # fmt: skip
+    for n in range(40):
+        send(producer, "quick", n)
+    for n in range(5):
+        send(producer, "low", n, queue="low")
+    send(producer, "always_fails", "p")
+
+    def scrape() -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                return str(response.read().decode())
+        except OSError:
+            return ""
+
+    def counters() -> dict[str, float]:
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in scrape().splitlines()
+            if line.startswith("dramatiq_gp_messages_total{")
+        }
+
+    done_default = 'dramatiq_gp_messages_total{outcome="done",queue="default",task_type="quick"}'
+    done_low = 'dramatiq_gp_messages_total{outcome="done",queue="low",task_type="low"}'
+    failed = 'dramatiq_gp_messages_total{outcome="failed",queue="default",task_type="always_fails"}'
+    retried = 'dramatiq_gp_messages_total{outcome="retried",queue="default",task_type="always_fails"}'
+    wait_for(lambda: counters().get(done_default) == 40 and counters().get(failed) == 1, timeout=20)
+    seen = counters()
+    assert (seen[done_low], seen[retried]) == (5, 2)
+    assert len(set((tmp_path / "metrics").glob("*.json"))) == 2  # both processes wrote a snapshot
+    text = scrape()
+    assert 'messaging_process_duration_seconds_count{messaging_destination_name="low",task_type="low"} 5' in text
+    assert "dramatiq_gp_queue_wait_seconds_bucket" in text
+    assert worker.stop() == 0
+
+
+def test_telemetry_that_cannot_be_reached_neither_stops_nor_stalls_the_work(run_worker, producer):
+    closed = f"http://127.0.0.1:{_free_port()}"
+    worker = run_worker({"OTEL_EXPORTER_OTLP_ENDPOINT": closed, "OTEL_BSP_SCHEDULE_DELAY": "100",
+                         "SENTRY_DSN": f"http://key@{closed[7:]}/1",
+                         "OTEL_METRICS_EXPORTER": "otlp", "OTEL_METRIC_EXPORT_INTERVAL": "200"})  # fmt: skip
+    send(producer, "always_fails", "x")
+    for n in range(200):
+        send(producer, "quick", n)
+    wait_for(lambda: worker.log.count("task done task_type=quick") == 200, timeout=20)
+    wait_for(lambda: worker.log.count("task failed task_type=always_fails") == 3)
+    started = time.monotonic()
+    assert worker.stop() == 0
+    assert time.monotonic() - started < 15  # the flush is bounded
+    assert "telemetry flush gave up after 5000 ms" in worker.log
+
+
+def test_a_bad_exporter_name_fails_at_start_up_naming_the_variable(worker_env, tmp_path):
+    worker = Worker(tmp_path, {**worker_env, "OTEL_TRACES_EXPORTER": "jaegr"})
+    assert worker.process.wait(30) != 0
+    assert "OTEL_TRACES_EXPORTER='jaegr': unknown exporter; installed: console, none, otlp" in worker.log
+
+
+def test_the_outbox_backlog_gauge_reads_pending_rows(engine, database_url, clean_env):
+    with engine.begin() as conn:
+        for n in range(3):
+            gp.dispatch(conn, OrderPlaced(n))
+        conn.execute(sa.text("UPDATE outbox_events SET created_at = now() - interval '90 seconds'"))
+    clean_env.setenv("DB_URL", database_url)
+    clean_env.setenv("OUTBOX_RELAY", "true")
+    kit = gp.Kit(registry=gp.Registry())
+    assert kit.relay is not None
+    count, age = kit.relay.backlog()
+    assert count == 3 and 89 < age < 120

@@ -1,0 +1,185 @@
+"""Span structure: producer and consumer spans, one trace per dispatch, retries linked, every span ended.
+
+These run a worker in the test process with the kit's ``tracer_provider`` pointed
+at an in-memory exporter; the multi-process path (exporters started after the
+fork, flushed at shutdown) is in test_telemetry_cli.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq import Message
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+import dramatiq_gp as gp
+from helpers import wait_for
+
+
+@gp.event("test.tracing.signed_up")
+@dataclass(frozen=True)
+class SignedUp:
+    user_id: int
+
+
+@pytest.fixture
+def spans() -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def _finished(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return [span for span in exporter.get_finished_spans() if span.name == name]
+
+
+def _parent(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+def test_a_dispatch_inside_a_request_span_is_one_trace_down_to_each_listener(make_kit, start_worker, spans):
+    provider, exporter = spans
+    kit = make_kit(
+        lambda registry, schedule: (
+            registry.listen(SignedUp, lambda e: None, name="welcome_mail", queue="mail"),
+            registry.listen(SignedUp, lambda e: None, name="crm"),
+        ),
+        tracer_provider=provider,
+    )
+    with provider.get_tracer("test").start_as_current_span("POST /signup") as request:
+        kit.dispatch(SignedUp(1))
+    start_worker(kit)
+    wait_for(lambda: len([s for s in exporter.get_finished_spans() if s.name.startswith("process")]) == 2)
+
+    trace_id = request.get_span_context().trace_id
+    for listener, queue in (("welcome_mail", "mail"), ("crm", "default")):
+        (send,) = _finished(exporter, f"send listener:test.tracing.signed_up:{listener}")
+        (process,) = _finished(exporter, f"process listener:test.tracing.signed_up:{listener}")
+        assert send.kind is SpanKind.PRODUCER and process.kind is SpanKind.CONSUMER
+        assert send.context.trace_id == process.context.trace_id == trace_id
+        assert _parent(send) == request.get_span_context().span_id
+        assert _parent(process) == send.context.span_id
+        assert process.attributes["messaging.system"] == "redis"
+        assert process.attributes["messaging.operation.type"] == "process"
+        assert process.attributes["messaging.destination.name"] == queue
+        assert process.attributes["messaging.message.id"] == send.attributes["messaging.message.id"]
+        assert process.attributes["dramatiq_gp.attempt"] == 1
+        assert process.status.status_code is StatusCode.UNSET
+
+
+def test_a_retry_stays_in_the_trace_and_links_to_where_the_message_was_created(make_kit, start_worker, spans):
+    provider, exporter = spans
+    calls = Counter[str]()
+
+    def flaky(event: SignedUp) -> None:
+        calls["flaky"] += 1
+        if calls["flaky"] == 1:
+            raise ConnectionError("smtp down")
+
+    kit = make_kit(
+        lambda registry, schedule: registry.listen(SignedUp, flaky, name="flaky", min_backoff=10, max_backoff=20),
+        tracer_provider=provider,
+    )
+    with provider.get_tracer("test").start_as_current_span("POST /signup") as request:
+        kit.dispatch(SignedUp(2))
+    start_worker(kit)
+    wait_for(lambda: len(_finished(exporter, "process listener:test.tracing.signed_up:flaky")) == 2)
+
+    first, second = sorted(
+        _finished(exporter, "process listener:test.tracing.signed_up:flaky"), key=lambda s: s.start_time
+    )
+    sends = sorted(_finished(exporter, "send listener:test.tracing.signed_up:flaky"), key=lambda s: s.start_time)
+    assert len(sends) == 3
+    created, retried, moved = sends
+    assert {s.context.trace_id for s in (first, second, *sends)} == {request.get_span_context().trace_id}
+    # The retry is sent from inside the failed attempt's span to the delay queue, moved
+    # to its queue when due, and the second attempt links to the first send.
+    assert _parent(retried) == first.context.span_id and retried.attributes["dramatiq_gp.delay_ms"] > 0
+    assert _parent(moved) == retried.context.span_id
+    assert _parent(second) == moved.context.span_id
+    assert [link.context.span_id for link in second.links] == [created.context.span_id]
+    assert first.status.status_code is StatusCode.ERROR
+    assert first.attributes["error.type"] == "ConnectionError" and first.attributes["dramatiq_gp.will_retry"] is True
+    assert [event.name for event in first.events] == ["exception"]
+    assert (first.attributes["dramatiq_gp.attempt"], second.attributes["dramatiq_gp.attempt"]) == (1, 2)
+    assert second.status.status_code is StatusCode.UNSET
+
+
+def test_a_skipped_duplicate_and_a_timed_out_task_still_end_their_spans(make_kit, start_worker, spans):
+    provider, exporter = spans
+    kit = make_kit(tracer_provider=provider)
+    done = threading.Event()
+
+    @dramatiq.actor(broker=kit.broker, actor_name="once", idempotent=True)
+    def once() -> None:
+        done.set()
+
+    @dramatiq.actor(broker=kit.broker, actor_name="too_slow", time_limit=200, max_retries=0)
+    def too_slow() -> None:
+        for _ in range(100):
+            time.sleep(0.05)
+
+    message = once.message()
+    kit.broker.enqueue(message)
+    start_worker(kit)
+    wait_for(done.is_set)
+    kit.broker.enqueue(message)  # the same message id again: a duplicate
+    too_slow.send()
+    wait_for(lambda: len(_finished(exporter, "process once")) == 2 and _finished(exporter, "process too_slow"))
+
+    ran, skipped = sorted(_finished(exporter, "process once"), key=lambda s: s.start_time)
+    assert "dramatiq_gp.skipped" not in ran.attributes
+    assert skipped.attributes["dramatiq_gp.skipped"] is True
+    (slow,) = _finished(exporter, "process too_slow")
+    assert slow.status.status_code is StatusCode.ERROR
+    assert slow.attributes["error.type"] == "dramatiq.middleware.time_limit.TimeLimitExceeded"
+    assert slow.attributes["dramatiq_gp.will_retry"] is False
+
+
+def test_each_scheduler_firing_starts_a_trace_named_after_its_entry(make_kit, start_worker, spans):
+    provider, exporter = spans
+    ran = threading.Event()
+    kit = make_kit(
+        lambda registry, schedule: schedule.job("nightly_report", "@every 1s", ran.set),
+        env={"SCHEDULER_LEASE_TTL": "1500ms"},
+        tracer_provider=provider,
+    )
+    start_worker(kit)
+    wait_for(ran.is_set, timeout=10)
+    wait_for(lambda: _finished(exporter, "process job:nightly_report"))
+    kit.scheduler.stop()
+
+    (process, *_) = _finished(exporter, "process job:nightly_report")
+    roots = {s.context.span_id: s for s in _finished(exporter, "schedule nightly_report")}
+    sends = {s.context.span_id: s for s in _finished(exporter, "send job:nightly_report")}
+    send = sends[_parent(process)]
+    root = roots[_parent(send)]
+    assert root.parent is None and root.attributes["dramatiq_gp.schedule.entry"] == "nightly_report"
+    assert root.attributes["dramatiq_gp.schedule.outcome"] == "fired"
+    assert root.context.trace_id == send.context.trace_id == process.context.trace_id
+    assert len({s.context.trace_id for s in roots.values()}) == len(roots)  # a new trace per firing
+
+
+def test_a_send_that_fails_ends_its_span_with_the_error(make_kit, spans, clean_env):
+    provider, exporter = spans
+    kit = make_kit(env={"REDIS_URL": "redis://127.0.0.1:1/0"}, tracer_provider=provider)
+    messages: list[Message[Any]] = [
+        Message(queue_name="default", actor_name="nobody", args=(), kwargs={}, options={}) for _ in range(2)
+    ]
+    with pytest.raises(Exception, match=r"Connection refused|Error 111"):
+        kit.broker.enqueue_many(messages)
+    with pytest.raises(Exception, match=r"Connection refused|Error 111"):
+        kit.broker.enqueue(messages[0])
+    failed = _finished(exporter, "send nobody")
+    assert len(failed) == 3
+    assert all(span.status.status_code is StatusCode.ERROR and "error.type" in span.attributes for span in failed)
