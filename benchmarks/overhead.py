@@ -6,7 +6,11 @@ Redis), run alternately for several rounds; every variant logs at INFO to a file
 * ``bare``: a no-op plain actor on Dramatiq's ``RedisBroker`` with its default middleware;
 * ``kit``: the same actor through the kit's full middleware stack (task logs included);
 * ``listener``: a no-op listener reached through ``dispatch`` (fan-out ids and
-  idempotent execution included).
+  idempotent execution included);
+* ``traced``: ``kit`` with telemetry on: each message's producer and consumer
+  spans go through a batch span processor to an exporter that discards them,
+  and Sentry is initialised with its DSN at a local endpoint (per-message
+  isolation scopes; nothing fails, so nothing is sent).
 
 Messages are enqueued before the worker starts; the clock runs from worker start
 until the last message is acked. Reported: the median rate per variant, the
@@ -34,7 +38,7 @@ from dramatiq import Message
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import current_millis
 
-VARIANTS = ("bare", "kit", "listener")
+VARIANTS = ("bare", "kit", "listener", "traced")
 QUEUE = "bench"
 
 
@@ -44,6 +48,38 @@ def _rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _start_telemetry() -> None:
+    """A tracer provider exporting through a batch processor to nowhere, and a local Sentry endpoint."""
+    from collections.abc import Sequence
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Discard(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Discard()))
+    trace.set_tracer_provider(provider)
+
+    class Accept(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Accept)
+    Thread(target=server.serve_forever, daemon=True).start()
+    os.environ["SENTRY_DSN"] = f"http://public@127.0.0.1:{server.server_address[1]}/1"
 
 
 def fill(broker: RedisBroker, messages: list[Message[Any]]) -> None:
@@ -71,10 +107,13 @@ def run_variant(variant: str, messages: int, threads: int, redis_url: str) -> di
     if variant == "bare":
         broker = RedisBroker(url=redis_url, namespace=namespace)
     else:
+        if variant == "traced":
+            _start_telemetry()
         import dramatiq_gp as gp
 
         kit = gp.Kit(registry=gp.Registry(), broker_options={"namespace": namespace})
         broker = kit.broker
+        assert kit.telemetry.tracing == kit.telemetry.sentry == (variant == "traced")
 
     def noop(n: int) -> None:
         pass
@@ -145,6 +184,8 @@ def main(argv: list[str]) -> int:
         "ratio": round(median("kit", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
         "listener_msgs_per_s": round(median("listener", "msgs_per_s")),
         "listener_ratio": round(median("listener", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
+        "kit_traced_msgs_per_s": round(median("traced", "msgs_per_s")),
+        "traced_ratio": round(median("traced", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
         "bare_rss_mb": round(median("bare", "rss_mb"), 1),
         "kit_rss_mb": round(median("kit", "rss_mb"), 1),
         "messages": args.messages,
@@ -153,6 +194,7 @@ def main(argv: list[str]) -> int:
     }
     print(
         f"kit/bare {summary['ratio']:.3f}, listener/bare {summary['listener_ratio']:.3f}, "
+        f"traced/bare {summary['traced_ratio']:.3f}, "
         f"RSS kit-bare {summary['kit_rss_mb'] - summary['bare_rss_mb']:+.1f} MB"
     )
     if args.json:

@@ -163,6 +163,8 @@ def metric_exporter_factory(name: str) -> Callable[[], MetricExporter]:
 
 def application_tracer_provider() -> bool:
     """Whether a real (SDK) tracer provider is already installed in this process."""
+    if "opentelemetry.sdk.trace" not in sys.modules:
+        return False  # nobody built one, and a worker without telemetry never loads the SDK
     from opentelemetry.sdk.trace import TracerProvider
 
     return isinstance(trace.get_tracer_provider(), TracerProvider)
@@ -170,6 +172,8 @@ def application_tracer_provider() -> bool:
 
 def application_meter_provider() -> bool:
     """Whether a real (SDK) meter provider is already installed in this process."""
+    if "opentelemetry.sdk.metrics" not in sys.modules:
+        return False
     from opentelemetry.sdk.metrics import MeterProvider
 
     return isinstance(metrics.get_meter_provider(), MeterProvider)
