@@ -70,6 +70,18 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self) -> None:
         super().__init__(LOG_FORMAT)
+        self._second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt:
+            return super().formatTime(record, datefmt)
+        # A worker writes thousands of lines a second: format each second once.
+        second, text = self._second
+        if int(record.created) != second:
+            second = int(record.created)
+            text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = (second, text)
+        return f"{text},{int(record.msecs):03d}"
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -318,7 +330,7 @@ class Telemetry:
     def _start_sentry(self) -> None:
         import sentry_sdk
         from sentry_sdk.integrations.dramatiq import DramatiqIntegration
-        from sentry_sdk.integrations.logging import ignore_logger
+        from sentry_sdk.integrations.logging import LoggingIntegration, ignore_logger
         from sentry_sdk.integrations.redis import RedisIntegration
 
         sentry = self.settings.sentry
@@ -333,6 +345,9 @@ class Telemetry:
             # would (per message, without its duplicate events); the Redis one would
             # record every poll of the consumers as a breadcrumb.
             disabled_integrations=[DramatiqIntegration(), RedisIntegration()],
+            # Sentry Logs is not enabled; without this its handler would still take
+            # a lock for every log line of every task.
+            integrations=[LoggingIntegration(sentry_logs_level=None)],
         )
         # The task log logs each failed attempt at ERROR; the Sentry middleware reports the final one.
         for name in ("dramatiq_gp.tasks", "dramatiq.worker.WorkerThread"):

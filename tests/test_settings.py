@@ -55,6 +55,11 @@ def test_worker_variables(env):
         ("VALKEY_DB", "-2", "VALKEY_DB='-2'"),
         ("LOG_LEVEL", "loud", "LOG_LEVEL='loud': expected one of"),
         ("REDIS_URL", "http://bob:hunter2@cache/0", "REDIS_URL='http://bob:***@cache/0' has scheme 'http'"),
+        ("LOG_FORMAT", "xml", "LOG_FORMAT='xml'"),
+        ("OTEL_TRACES_EXPORTER", "none,otlp", "OTEL_TRACES_EXPORTER='none,otlp': 'none' cannot be combined"),
+        ("OTEL_EXPORTER_PROMETHEUS_PORT", "99999", "OTEL_EXPORTER_PROMETHEUS_PORT='99999'"),
+        ("SENTRY_TRACES_SAMPLE_RATE", "2", "SENTRY_TRACES_SAMPLE_RATE='2'"),
+        ("SENTRY_CRONS", "sometimes", "SENTRY_CRONS='sometimes'"),
     ],
 )
 def test_an_invalid_value_names_the_variable_and_the_value(env, name, value, message):
@@ -125,3 +130,27 @@ def test_the_retry_budget_comes_from_the_environment_and_spans_days_not_months(m
     # Upper bound of the whole budget: every delay at its cap.
     worst_case_ms = sum(min(retries.min_backoff * 2**n * 2, retries.max_backoff) for n in range(25))
     assert timedelta(days=1) < timedelta(milliseconds=worst_case_ms) < timedelta(days=5)
+
+
+def test_telemetry_variables(env):
+    settings = gp.Settings.from_env()
+    assert (settings.log.format, settings.otel.traces(), settings.otel.metrics()) == ("text", (), ())
+    assert settings.sentry.dsn is None and settings.sentry.crons is True
+    env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    env.setenv("LOG_FORMAT", "JSON")
+    settings = gp.Settings.from_env()
+    assert (settings.log.format, settings.otel.traces(), settings.otel.metrics()) == ("json", ("otlp",), ("otlp",))
+    env.setenv("OTEL_METRICS_EXPORTER", "prometheus, console")
+    env.setenv("OTEL_TRACES_EXPORTER", "none")
+    settings = gp.Settings.from_env()
+    assert (settings.otel.traces(), settings.otel.metrics()) == ((), ("prometheus", "console"))
+    env.setenv("OTEL_SDK_DISABLED", "true")
+    assert gp.Settings.from_env().otel.metrics() == ()
+
+
+def test_a_sentry_dsn_never_shows(env):
+    env.setenv("SENTRY_DSN", "https://secretkey@o1.ingest.sentry.io/2")
+    env.setenv("SENTRY_TRACES_SAMPLE_RATE", "lots")
+    with pytest.raises(gp.ConfigError) as raised:
+        gp.Settings.from_env()
+    assert "secretkey" not in str(raised.value) and "SENTRY_TRACES_SAMPLE_RATE='lots'" in str(raised.value)

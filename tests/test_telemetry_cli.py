@@ -7,6 +7,7 @@ these run the real CLI.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,9 +42,11 @@ class Worker:
         self.log_file = tmp_path / f"worker-{time.monotonic_ns()}.log"
         command = [sys.executable, "-m", "dramatiq", "tests.apps.telemetry_app", "-p", str(processes), "-t", "4", *args]
         with open(self.log_file, "w") as log:
+            # A session of its own, so a failed test kills the worker processes too, not only their parent.
             self.process = subprocess.Popen(
-                command, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT
-            )
+                command, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
 
     @property
     def log(self) -> str:
@@ -54,9 +57,9 @@ class Worker:
         return self.process.wait(timeout)
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
 
 @pytest.fixture
@@ -169,7 +172,7 @@ def test_sentry_gets_one_event_per_final_failure_none_for_a_recovered_retry_and_
     run_worker, collector, producer, rdb, namespace
 ):
     worker = run_worker({"SENTRY_DSN": collector.dsn, "SENTRY_ENVIRONMENT": "test", "GP_TEST_CRON": "1",
-                         "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+                         "SENTRY_TRACES_SAMPLE_RATE": "1.0", "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
                          "OTEL_BSP_SCHEDULE_DELAY": "100"})  # fmt: skip
     failing = send(producer, "always_fails", "a")
     send(producer, "fails_once", "b")
@@ -197,6 +200,14 @@ def test_sentry_gets_one_event_per_final_failure_none_for_a_recovered_retry_and_
     assert not any("quick" in str(c.get("message")) or "fails_once" in str(c.get("message")) for c in crumbs)
     assert event["contexts"]["dramatiq"]["args"] == "[Filtered]"
 
+    # Each message is a Sentry transaction in the same trace as its OpenTelemetry span.
+    spans_by_message = {s.message_id: s for s in collector.spans_named("process quick")}
+    transactions = [t for t in collector.items("transaction") if t["transaction"] == "quick"]
+    assert len(transactions) == 30
+    for transaction in transactions:
+        message_id = transaction["tags"]["message_id"]
+        assert transaction["contexts"]["trace"]["trace_id"] == spans_by_message[message_id].trace_id
+
     check_ins = [c for c in collector.items("check_in") if c["monitor_slug"] == "heartbeat"]
     first = check_ins[0]
     assert first["status"] == "in_progress"
@@ -211,14 +222,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_prometheus_endpoint_adds_up_every_worker_process(run_worker, producer, tmp_path):
+def test_the_prometheus_endpoint_adds_up_every_worker_process(run_worker, producer, tmp_path, engine, database_url):
     port = _free_port()
     worker = run_worker(
         {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
          "OTEL_EXPORTER_PROMETHEUS_PORT": str(port), "OTEL_METRIC_EXPORT_INTERVAL": "300",
-         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")},
+         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"), "DB_URL": database_url, "GP_TEST_CRON": "1"},
         processes=2,
     )  # fmt: skip
+    with engine.begin() as conn:
+        for n in range(3):
+            gp.dispatch(conn, OrderPlaced(n))
     for n in range(40):
         send(producer, "quick", n)
     for n in range(5):
@@ -250,7 +264,18 @@ def test_the_prometheus_endpoint_adds_up_every_worker_process(run_worker, produc
     text = scrape()
     assert 'messaging_process_duration_seconds_count{messaging_destination_name="low",task_type="low"} 5' in text
     assert "dramatiq_gp_queue_wait_seconds_bucket" in text
+    wait_for(lambda: _value(scrape(), "dramatiq_gp_outbox_published_total") == 3)
+    wait_for(lambda: _value(scrape(), 'dramatiq_gp_scheduler_ticks_total{entry="heartbeat",outcome="fired"}') >= 2)
+    text = scrape()
+    leaders = [line for line in text.splitlines() if line.startswith("dramatiq_gp_scheduler_leader{")]
+    assert sorted(line.rsplit(" ", 1)[1] for line in leaders) == ["0", "1"]  # one gauge per process, one leads
+    assert 'dramatiq_gp_outbox_backlog{pid="' in text
     assert worker.stop() == 0
+
+
+def _value(text: str, prefix: str) -> float:
+    """The sum of the samples whose line starts with ``prefix``."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def test_telemetry_that_cannot_be_reached_neither_stops_nor_stalls_the_work(run_worker, producer):
@@ -272,6 +297,7 @@ def test_telemetry_that_cannot_be_reached_neither_stops_nor_stalls_the_work(run_
 def test_a_bad_exporter_name_fails_at_start_up_naming_the_variable(worker_env, tmp_path):
     worker = Worker(tmp_path, {**worker_env, "OTEL_TRACES_EXPORTER": "jaegr"})
     assert worker.process.wait(30) != 0
+    worker.kill()
     assert "OTEL_TRACES_EXPORTER='jaegr': unknown exporter; installed: console, none, otlp" in worker.log
 
 

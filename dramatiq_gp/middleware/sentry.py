@@ -83,15 +83,14 @@ class Sentry(Middleware):
         trace_id = _trace_id(message)
         if trace_id:
             tags["trace_id"] = trace_id
-        for key, value in tags.items():
-            scope.set_tag(key, value)
+        scope.set_tags(tags)
         context = dict(tags)
         context["args"] = list(message.args) if self.send_default_pii else "[Filtered]"
         context["kwargs"] = dict(message.kwargs) if self.send_default_pii else "[Filtered]"
         scope.set_context("dramatiq", context)
         scope.set_transaction_name(message.actor_name)
         transaction: Any = None
-        if sentry_sdk.get_client().options.get("traces_sample_rate") is not None:
+        if scope.get_client().options.get("traces_sample_rate") is not None:
             continued = sentry_sdk.continue_trace(
                 _sentry_headers(message), op="queue.process", name=message.actor_name, source="task"
             )

@@ -27,6 +27,10 @@ class _ReplacedByTaskLog(logging.Filter):
         return record.msg not in self.LINES
 
 
+def _this_module(stack_info: bool = False, stacklevel: int = 1) -> tuple[str, int, str, str | None]:
+    return __file__, 0, "TaskLog", None
+
+
 class TaskLog(Middleware):
     """Logs each task's start and outcome.
 
@@ -36,6 +40,8 @@ class TaskLog(Middleware):
 
     def __init__(self, *, logger_name: str = "dramatiq_gp.tasks") -> None:
         self.logger = logging.getLogger(logger_name)
+        # Every line comes from this module: skip logging's walk up the stack for it.
+        self.logger.findCaller = _this_module  # type: ignore[method-assign]
         worker_logger = logging.getLogger("dramatiq.worker.WorkerThread")
         if not any(isinstance(f, _ReplacedByTaskLog) for f in worker_logger.filters):
             worker_logger.addFilter(_ReplacedByTaskLog())
