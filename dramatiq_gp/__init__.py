@@ -18,18 +18,21 @@ from .errors import (
 )
 from .events import EventType, event, event_type
 from .kit import Kit, RegisterFunc, current_kit, dispatch
-from .middleware import ClaimUnavailable, IdempotentExecution, PanicRecovery, TaskLog
+from .middleware import ClaimUnavailable, IdempotentExecution, Metrics, PanicRecovery, TaskLog, Tracing
 from .registry import Listener, Registry, default_registry, fan_out_id, listener
 from .scheduler import CronError, Schedule, ScheduleError
 from .settings import (
     DatabaseSettings,
     LogSettings,
+    OtelSettings,
     OutboxSettings,
     QueueSettings,
     SchedulerSettings,
+    SentrySettings,
     Settings,
     WorkerSettings,
 )
+from .telemetry import Telemetry
 
 __all__ = [
     "Broker",
@@ -47,6 +50,8 @@ __all__ = [
     "Kit",
     "Listener",
     "LogSettings",
+    "Metrics",
+    "OtelSettings",
     "OutboxSettings",
     "PanicRecovery",
     "QueueSettings",
@@ -56,8 +61,11 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SchedulerSettings",
+    "SentrySettings",
     "Settings",
     "TaskLog",
+    "Telemetry",
+    "Tracing",
     "WorkerSettings",
     "current_kit",
     "default_registry",
