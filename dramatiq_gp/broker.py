@@ -190,8 +190,12 @@ class Broker(RedisBroker):
                 copy.options["redis_message_id"] if copy else "", copy.encode() if copy else b""]  # fmt: skip
         try:
             self._settle(keys=keys, args=args)
-        except redis.ConnectionError as exc:
-            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        except BaseException as exc:
+            if copy is not None:
+                self.send_failed(copy, exc)
+            if isinstance(exc, redis.ConnectionError):
+                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+            raise
         if copy is not None:
             self.emit_after("enqueue", copy, plan.delay_ms)
 
