@@ -18,7 +18,16 @@ from .errors import (
 )
 from .events import EventType, event, event_type
 from .kit import Kit, RegisterFunc, current_kit, dispatch
-from .middleware import ClaimUnavailable, IdempotentExecution, Metrics, PanicRecovery, TaskLog, Tracing
+from .middleware import (
+    ClaimUnavailable,
+    IdempotentExecution,
+    Metrics,
+    PanicRecovery,
+    QueueWeights,
+    TaskLog,
+    Tracing,
+    WeightedQueue,
+)
 from .registry import Listener, Registry, default_registry, fan_out_id, listener
 from .scheduler import CronError, Schedule, ScheduleError
 from .settings import (
@@ -55,6 +64,7 @@ __all__ = [
     "OutboxSettings",
     "PanicRecovery",
     "QueueSettings",
+    "QueueWeights",
     "RegisterFunc",
     "RegistrationError",
     "Registry",
@@ -66,6 +76,7 @@ __all__ = [
     "TaskLog",
     "Telemetry",
     "Tracing",
+    "WeightedQueue",
     "WorkerSettings",
     "current_kit",
     "default_registry",

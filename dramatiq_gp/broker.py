@@ -112,6 +112,9 @@ class Broker(RedisBroker):
         #: not sent after all, and the error if there was one (the tracing middleware
         #: ends the message's send span there).
         self.on_send_failed: Callable[[Message[Any], BaseException | None], None] | None = None
+        #: Called in a consumer thread after each fetch with the queue and how many came back
+        #: (strict priority learns from it whether a queue still has a backlog in Redis).
+        self.on_fetched: Callable[[str, int], None] | None = None
         self._settle = self.client.register_script(_SETTLE)
         self._warned_lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
@@ -245,13 +248,21 @@ class _Consumer(_RedisConsumer):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)  # type: ignore[no-untyped-call]
         self._ready: deque[MessageProxy] = deque()
+        self._freed = threading.Event()
 
     def __next__(self) -> MessageProxy | None:
         try:
             while not self._ready:
-                batch = []
-                if self.outstanding_message_count < self.prefetch:
-                    batch = self.broker.do_fetch(self.queue_name, self.prefetch - self.outstanding_message_count)
+                self._freed.clear()
+                room = self.prefetch - self.outstanding_message_count
+                if room <= 0:
+                    # Full: fetch again as soon as a worker settles one, not after a backoff,
+                    # so a busy queue's buffer does not run dry.
+                    self._freed.wait(self.timeout / 1000)
+                    return None
+                batch = self.broker.do_fetch(self.queue_name, room)
+                if self.broker.on_fetched is not None:
+                    self.broker.on_fetched(self.queue_name, len(batch))
                 if not batch:
                     # As Dramatiq does: poll less and less often while idle, up to the timeout.
                     self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
@@ -300,10 +311,13 @@ class _Consumer(_RedisConsumer):
         super().requeue(plain)  # type: ignore[no-untyped-call]
 
     def _post(self, message: MessageProxy, command: str) -> None:
-        if settlement(message) is None:
-            super().ack(message) if command == "ack" else super().nack(message)  # type: ignore[no-untyped-call]
-            return
         try:
-            self.broker.settle(self.queue_name, message, command)
+            if settlement(message) is None:
+                super().ack(message) if command == "ack" else super().nack(message)  # type: ignore[no-untyped-call]
+                return
+            try:
+                self.broker.settle(self.queue_name, message, command)
+            finally:
+                self.queued_message_ids.discard(message.message_id)
         finally:
-            self.queued_message_ids.discard(message.message_id)
+            self._freed.set()

@@ -31,7 +31,7 @@ from opentelemetry import trace
 from .broker import Broker
 from .errors import BrokerUnreachable, GPError
 from .lifecycle import Closer, Closers, Lifecycle, Producer
-from .middleware import IdempotentExecution, Metrics, PanicRecovery, TaskLog, Tracing
+from .middleware import IdempotentExecution, Metrics, PanicRecovery, QueueWeights, TaskLog, Tracing
 from .registry import Registry, default_registry
 from .scheduler import Runner, Schedule
 from .scheduler.schedule import Entry
@@ -216,7 +216,6 @@ class Kit:
             producers=self._producers,
             closers=self._closers,
             shutdown_timeout_ms=_ms(worker.shutdown_timeout) if worker.shutdown_timeout is not None else None,
-            queues=worker.queues,
         )
         # Order matters: Dramatiq runs before-hooks in this order and after-hooks in
         # reverse, so the lifecycle sees everything first and last, every message
@@ -231,6 +230,7 @@ class Kit:
             *([tracing] if tracing else []),
             *self._sentry_middleware(),
             *([Metrics()] if self.telemetry.metrics else []),
+            *([QueueWeights(worker.queues, strict=worker.strict_priority)] if worker.queues else []),
             idempotency,
             TaskLog(),
             PanicRecovery(),

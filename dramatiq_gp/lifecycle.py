@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -68,7 +68,6 @@ class Lifecycle(Middleware):
         producers: started with the consumers, stopped first at shutdown.
         closers: run after the drain.
         shutdown_timeout_ms: the drain limit; ``None`` keeps the CLI's.
-        queues: the queues to consume (``WORKER_QUEUES``); ``None`` means all.
     """
 
     def __init__(
@@ -79,7 +78,6 @@ class Lifecycle(Middleware):
         producers: Sequence[Producer],
         closers: Closers,
         shutdown_timeout_ms: int | None,
-        queues: Mapping[str, int] | None,
     ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.telemetry = telemetry
@@ -87,7 +85,6 @@ class Lifecycle(Middleware):
         self.producers = producers
         self.closers = closers
         self.shutdown_timeout_ms = shutdown_timeout_ms
-        self.queues = queues
         self._in_flight: dict[int, MessageProxy] = {}
         self._drain_timeout_ms = 600_000
 
@@ -113,14 +110,6 @@ class Lifecycle(Middleware):
 
         # The dramatiq CLI passes its own --worker-shutdown-timeout; WORKER_SHUTDOWN_TIMEOUT wins.
         worker.stop = stop_with_our_timeout  # type: ignore[method-assign]
-        if self.queues and not worker.consumer_whitelist:
-            worker.consumer_whitelist = set(self.queues)
-            ignored = sorted(q for q in broker.get_declared_queues() if q not in self.queues)
-            if ignored:
-                self.logger.warning(
-                    "queues %s have actors here but are not in WORKER_QUEUES; this worker will not consume them",
-                    ", ".join(ignored),
-                )
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         consumed = sorted(q for q in worker.consumers if not q.endswith(".DQ"))

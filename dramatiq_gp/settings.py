@@ -29,21 +29,28 @@ Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
 
 def parse_queues(value: object) -> dict[str, int] | None:
-    """Parse ``default:3,mail:1`` into ``{"default": 3, "mail": 1}``; a bare name weighs 1."""
+    """Parse ``default:3,mail:1`` into ``{"default": 3, "mail": 1}``; a bare name weighs 1.
+
+    A weight is a whole number >= 0 (0: only when the other queues are empty); at
+    least one must be above 0.
+    """
     if value is None or isinstance(value, dict):
         return value
     if not isinstance(value, str) or not value.strip():
         raise ValueError("expected name:weight pairs separated by commas, e.g. default:3,mail:1")
     queues: dict[str, int] = {}
     for item in value.split(","):
+        entry = item.strip()
         name, sep, weight_text = (part.strip() for part in item.partition(":"))
         if not QUEUE_NAME.fullmatch(name):
-            raise ValueError(f"{name!r} is not a queue name (letters, digits, '.', '_', '-')")
+            raise ValueError(f"entry {entry!r}: {name!r} is not a queue name (letters, digits, '.', '_', '-')")
         if name in queues:
-            raise ValueError(f"queue {name!r} is listed twice")
-        if sep and not (weight_text.isdigit() and int(weight_text) >= 1):
-            raise ValueError(f"queue {name!r} has weight {weight_text!r}; a weight is a whole number >= 1")
+            raise ValueError(f"entry {entry!r}: queue {name!r} is listed twice")
+        if sep and not weight_text.isdigit():
+            raise ValueError(f"entry {entry!r}: weight {weight_text!r} is not a whole number >= 0")
         queues[name] = int(weight_text) if sep else 1
+    if not any(queues.values()):
+        raise ValueError("every weight is 0; at least one queue needs a weight above 0")
     return queues
 
 
@@ -88,6 +95,10 @@ class WorkerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _backoff_order(self) -> WorkerSettings:
+        if self.strict_priority and not self.queues:
+            raise ValueError(
+                "WORKER_STRICT_PRIORITY=true needs WORKER_QUEUES to rank the queues (e.g. critical:3,default:1)"
+            )
         if self.max_backoff < self.min_backoff:
             raise ValueError("WORKER_MAX_BACKOFF must not be shorter than WORKER_MIN_BACKOFF")
         if self.max_backoff > timedelta(days=7):

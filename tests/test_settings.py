@@ -44,10 +44,13 @@ def test_worker_variables(env):
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
-        ("WORKER_QUEUES", "default:x", "WORKER_QUEUES='default:x': queue 'default' has weight 'x'"),
-        ("WORKER_QUEUES", "default:0", "weight '0'"),
-        ("WORKER_QUEUES", "a,a:2", "queue 'a' is listed twice"),
+        ("WORKER_QUEUES", "default:x", "WORKER_QUEUES='default:x': entry 'default:x': weight 'x' is not a whole"),
+        ("WORKER_QUEUES", "default:3,mail:-1", "entry 'mail:-1': weight '-1' is not a whole number >= 0"),
+        ("WORKER_QUEUES", "default:0,mail:0", "every weight is 0"),
+        ("WORKER_QUEUES", ":3", "entry ':3': '' is not a queue name"),
+        ("WORKER_QUEUES", "a,a:2", "entry 'a:2': queue 'a' is listed twice"),
         ("WORKER_QUEUES", "bad name", "'bad name' is not a queue name"),
+        ("WORKER_STRICT_PRIORITY", "true", "WORKER_STRICT_PRIORITY=true needs WORKER_QUEUES"),
         ("WORKER_SHUTDOWN_TIMEOUT", "soon", "WORKER_SHUTDOWN_TIMEOUT='soon': 'soon' is not a duration"),
         ("WORKER_MAX_RETRIES", "-1", "WORKER_MAX_RETRIES='-1'"),
         ("WORKER_STRICT_PRIORITY", "maybe", "WORKER_STRICT_PRIORITY='maybe'"),

@@ -7,7 +7,17 @@ sentry-sdk (the ``sentry`` extra) is installed.
 from .idempotency import ClaimUnavailable, IdempotentExecution
 from .metrics import Metrics
 from .panic import PanicRecovery
+from .queue_weights import QueueWeights, WeightedQueue
 from .task_log import TaskLog
 from .tracing import Tracing
 
-__all__ = ["ClaimUnavailable", "IdempotentExecution", "Metrics", "PanicRecovery", "TaskLog", "Tracing"]
+__all__ = [
+    "ClaimUnavailable",
+    "IdempotentExecution",
+    "Metrics",
+    "PanicRecovery",
+    "QueueWeights",
+    "TaskLog",
+    "Tracing",
+    "WeightedQueue",
+]

@@ -1,0 +1,193 @@
+"""Queue weights: shares by weight with both queues backlogged, work conservation, strict priority."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq.worker import _WorkQueueItem
+
+import dramatiq_gp as gp
+from helpers import messages_of, wait_for
+
+
+@dataclass
+class Starts:
+    """Which queue each started message came from, in start order, and how many ran at once."""
+
+    order: list[str] = field(default_factory=list)
+    running: dict[str, int] = field(default_factory=dict)
+    most_running: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def task(self, queue_name: str, seconds: float) -> Any:
+        def run(n: int) -> None:
+            with self.lock:
+                self.order.append(queue_name)
+                self.running[queue_name] = self.running.get(queue_name, 0) + 1
+                self.most_running[queue_name] = max(self.most_running.get(queue_name, 0), self.running[queue_name])
+            time.sleep(seconds)
+            with self.lock:
+                self.running[queue_name] -= 1
+
+        return run
+
+
+def _fill(kit: gp.Kit, actor: dramatiq.Actor[Any, Any], count: int) -> None:
+    messages = [actor.message(n) for n in range(count)]
+    for start in range(0, count, 500):
+        kit.broker.enqueue_many(messages[start : start + 500])
+
+
+def _actors(kit: gp.Kit, starts: Starts, seconds: float) -> tuple[Any, Any]:
+    default = dramatiq.actor(
+        starts.task("default", seconds), broker=kit.broker, actor_name="work", queue_name="default"
+    )
+    mail = dramatiq.actor(starts.task("mail", seconds), broker=kit.broker, actor_name="mail", queue_name="mail")
+    return default, mail
+
+
+#: The first starts are whatever the consumers' first fetches brought in; the window begins after them.
+WARM_UP = 16
+
+
+@pytest.mark.parametrize(("seconds", "backlog", "window"), [(0.002, 600, 400), (0.05, 150, 100)])
+def test_both_queues_backlogged_share_the_threads_by_weight(make_kit, start_worker, seconds, backlog, window):
+    kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1"})
+    starts = Starts()
+    default, mail = _actors(kit, starts, seconds)
+    _fill(kit, default, backlog)
+    _fill(kit, mail, backlog)
+    start_worker(kit, threads=8)
+    wait_for(lambda: len(starts.order) >= WARM_UP + window, timeout=60)
+    share = starts.order[WARM_UP : WARM_UP + window].count("default") / window
+    assert 0.72 <= share <= 0.78, share
+
+
+def test_an_empty_heavy_queue_leaves_every_thread_to_the_light_one(make_kit, start_worker):
+    kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1"})
+    starts = Starts()
+    _default, mail = _actors(kit, starts, 0.05)
+    _fill(kit, mail, 64)
+    start_worker(kit, threads=8)
+    wait_for(lambda: len(starts.order) == 64, timeout=30)
+    assert starts.most_running["mail"] == 8
+
+
+def test_strict_priority_starts_no_mail_while_default_has_a_backlog(make_kit, start_worker):
+    kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1", "WORKER_STRICT_PRIORITY": "true"})
+    starts = Starts()
+    default, mail = _actors(kit, starts, 0.002)
+    _fill(kit, mail, 50)
+    _fill(kit, default, 300)
+    start_worker(kit, threads=8)
+    wait_for(lambda: len(starts.order) == 350, timeout=60)
+    first_mail = starts.order.index("mail")
+    assert "default" not in starts.order[first_mail:]
+    assert first_mail == 300
+
+
+def test_a_queue_missing_from_worker_queues_is_consumed_with_weight_1_and_named(
+    make_kit, start_worker, caplog: pytest.LogCaptureFixture
+):
+    kit = make_kit(env={"WORKER_QUEUES": "default:3"})
+    ran = threading.Event()
+    dramatiq.actor(lambda: ran.set(), broker=kit.broker, actor_name="report", queue_name="reports").send()
+    with caplog.at_level(logging.INFO):
+        start_worker(kit)
+        wait_for(ran.is_set)
+    warnings = messages_of(caplog, "dramatiq_gp.middleware.queue_weights", logging.WARNING)
+    assert warnings == ["queues reports have actors but are not in WORKER_QUEUES; consuming them with weight 1"]
+
+
+def test_dramatiqs_queue_flag_still_decides_what_a_process_consumes(make_kit, start_worker, rdb, namespace):
+    kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1"})
+    starts = Starts()
+    default, mail = _actors(kit, starts, 0)
+    _fill(kit, default, 5)
+    _fill(kit, mail, 5)
+    start_worker(kit, queues={"default"})
+    wait_for(lambda: len(starts.order) == 5)
+    time.sleep(0.3)
+    assert starts.order == ["default"] * 5
+    assert rdb.llen(f"{namespace}:mail") == 5
+
+
+def test_a_retried_message_comes_back_in_its_own_queues_share(make_kit, start_worker):
+    kit = make_kit(
+        env={"WORKER_QUEUES": "default:3,mail:1", "WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"}
+    )
+    attempts: list[str] = []
+
+    @dramatiq.actor(broker=kit.broker, actor_name="flaky_mail", queue_name="mail")
+    def flaky_mail() -> None:
+        attempts.append("mail")
+        if len(attempts) == 1:
+            raise ConnectionError("smtp down")
+
+    flaky_mail.send()
+    start_worker(kit)
+    wait_for(lambda: len(attempts) == 2)
+
+
+# -- the work queue on its own ---------------------------------------------------------
+
+
+class _Message:
+    def __init__(self, queue_name: str) -> None:
+        self.queue_name = queue_name
+
+
+def _item(queue_name: str, priority: int = 0) -> Any:
+    return _WorkQueueItem(priority, _Message(queue_name))  # type: ignore[arg-type]
+
+
+def test_smooth_weighted_round_robin_spreads_the_light_queue_evenly():
+    work = gp.WeightedQueue({"default": 3, "mail": 1})
+    for _ in range(12):
+        work.put(_item("default"))
+        work.put(_item("mail"))
+    order = [work.get(timeout=0).message.queue_name for _ in range(8)]
+    assert order.count("mail") == 2 and order.count("default") == 6
+    assert "mail" in order[:4] and "mail" in order[4:]  # one in every run of four
+
+
+def test_priority_still_orders_messages_within_a_queue():
+    work = gp.WeightedQueue({"default": 1})
+    work.put(_item("default", priority=10))
+    work.put(_item("default", priority=0))
+    assert work.get(timeout=0).priority == 0
+
+
+def test_strict_mode_holds_a_light_message_until_the_heavy_queue_came_back_empty():
+    work = gp.WeightedQueue({"critical": 3, "default": 1}, strict=True)
+    work.put(_item("default"))
+    with pytest.raises(queue.Empty):
+        work.get(timeout=0.05)  # critical has not been fetched yet: it may have a backlog
+    work.fetched("critical", 5)
+    with pytest.raises(queue.Empty):
+        work.get(timeout=0.05)
+    waiter = threading.Thread(target=lambda: work.get(timeout=5))
+    waiter.start()
+    work.fetched("critical", 0)  # wakes the waiting thread
+    waiter.join(2)
+    assert not waiter.is_alive() and work.qsize() == 0
+
+
+def test_shutdown_drains_every_held_message():
+    work = gp.WeightedQueue({"critical": 3, "default": 1}, strict=True)
+    for _ in range(3):
+        work.put(_item("default"))
+    drained = []
+    while True:
+        try:
+            drained.append(work.get_nowait())
+        except queue.Empty:
+            break
+    assert len(drained) == 3
