@@ -1,79 +1,288 @@
 """``dramatiq-gp``: the kit's command line (the worker itself is the ordinary ``dramatiq`` command).
 
-    dramatiq-gp migrate up              create or upgrade the outbox table
-    dramatiq-gp outbox failed           list the events the relays set aside
-    dramatiq-gp outbox retry ID...      make set-aside events pending again (or --all)
-
-The database comes from ``DB_URL`` (or ``DB_HOST``, ``DB_USER``...).
+Connections come from the same environment as the worker: ``REDIS_URL`` or
+``VALKEY_*``, ``DB_URL`` or ``DB_*``, ``VALKEY_NAMESPACE``, ``SCHEDULER_*``.
+Every command exits non-zero with a one-line message on error, and never prints
+a password.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-import sqlalchemy as sa
+import click
+import redis
 
-from . import outbox
 from .errors import ConfigError
-from .settings import DatabaseSettings, Settings
+from .scheduler.cron import CronError, parse
+from .settings import Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dramatiq-gp", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    migrate = commands.add_parser("migrate", help="database migrations")
-    migrate.add_argument("direction", choices=["up"], help="create or upgrade the outbox table")
-    box = commands.add_parser("outbox", help="look after the outbox")
-    actions = box.add_subparsers(dest="action", required=True)
-    failed = actions.add_parser("failed", help="list the events set aside")
-    failed.add_argument("--limit", type=int, default=100)
-    failed.add_argument("--json", action="store_true", help="one JSON object per line")
-    retry = actions.add_parser("retry", help="make set-aside events pending again")
-    which = retry.add_mutually_exclusive_group(required=True)
-    which.add_argument("ids", nargs="*", default=[], metavar="ID")
-    which.add_argument("--all", action="store_true")
-    return parser
+def _fail(message: str) -> None:
+    raise click.ClickException(message)
 
 
-def _engine(db: DatabaseSettings) -> sa.Engine:
-    if not db.configured:
-        raise ConfigError("no database configured: set DB_URL (or DB_HOST, DB_USER, DB_PASSWORD, DB_NAME)")
-    return sa.create_engine(db.sqlalchemy_url())
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _settings() -> Settings:
     try:
-        settings = Settings.from_env()
-        engine = _engine(settings.db)
+        return Settings.from_env()
     except ConfigError as exc:
-        print(f"dramatiq-gp: {exc}", file=sys.stderr)
-        return 2
+        raise click.ClickException(str(exc)) from None
+
+
+@contextmanager
+def _database(settings: Settings) -> Iterator[Any]:
+    import sqlalchemy as sa
+
+    if not settings.db.configured:
+        _fail("no database configured: set DB_URL (or DB_HOST, DB_USER, DB_PASSWORD, DB_NAME)")
+    engine = sa.create_engine(settings.db.sqlalchemy_url())
     try:
-        with engine.begin() as conn:
-            if args.command == "migrate":
-                outbox.migrate(conn)
-                print(f"outbox table {outbox.TABLE_NAME!r} is up to date in {settings.db.display()}")
-            elif args.action == "failed":
-                for event in outbox.failed_events(conn, limit=args.limit):
-                    if args.json:
-                        print(json.dumps({**vars(event), "id": str(event.id)}, default=str))
-                    else:
-                        print(f"{event.id}  {event.event}  attempts={event.attempts}  failed={event.failed_at}")
-                        print(f"    {event.last_error}")
-            else:
-                count = outbox.retry_failed(conn, None if args.all else args.ids)
-                print(f"{count} event(s) pending again")
+        yield engine
     except sa.exc.SQLAlchemyError as exc:
-        reason = getattr(exc, "orig", None) or exc
-        print(f"dramatiq-gp: database error at {settings.db.display()}: {reason}", file=sys.stderr)
-        return 1
+        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        raise click.ClickException(f"database error at {settings.db.display()}: {reason}") from None
     finally:
         engine.dispose()
-    return 0
+
+
+def _redis(settings: Settings) -> redis.Redis:
+    client = redis.Redis.from_url(
+        settings.queue.connection_url(), socket_connect_timeout=5, **settings.queue.client_options()
+    )
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise click.ClickException(f"Redis/Valkey unreachable at {settings.queue.display()}: {exc}") from None
+    return client
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """The dramatiq-gp command: migrations, status, the outbox and the schedule.
+
+    \b
+    Example:
+      DB_URL=postgresql://app@db/app dramatiq-gp migrate up
+    """
+
+
+# -- migrate -----------------------------------------------------------------------
+
+
+@main.group()
+def migrate() -> None:
+    """The outbox table.
+
+    \b
+    Example:
+      dramatiq-gp migrate status
+    """
+
+
+@migrate.command("up")
+def migrate_up() -> None:
+    """Create the outbox table and its indexes where missing (safe to run again).
+
+    \b
+    Example:
+      DB_URL=postgresql://app@db/app dramatiq-gp migrate up
+    """
+    from . import outbox
+
+    settings = _settings()
+    with _database(settings) as engine, engine.begin() as conn:
+        outbox.migrate(conn)
+    click.echo(f"outbox table {outbox.TABLE_NAME!r} is up to date in {settings.db.display()}")
+
+
+@migrate.command("status")
+def migrate_status() -> None:
+    """Whether the outbox table and its indexes exist; exits 1 if something is missing.
+
+    \b
+    Example:
+      dramatiq-gp migrate status
+    """
+    import sqlalchemy as sa
+
+    from .outbox.table import OUTBOX_EVENTS
+
+    settings = _settings()
+    with _database(settings) as engine:
+        inspector = sa.inspect(engine)
+        if not inspector.has_table(OUTBOX_EVENTS.name):
+            click.echo(f"outbox table {OUTBOX_EVENTS.name!r} is missing: run `dramatiq-gp migrate up`")
+            sys.exit(1)
+        present = {index["name"] for index in inspector.get_indexes(OUTBOX_EVENTS.name)}
+        missing = sorted(str(index.name) for index in OUTBOX_EVENTS.indexes if index.name not in present)
+    if missing:
+        click.echo(f"outbox table present; missing index(es) {', '.join(missing)}: run `dramatiq-gp migrate up`")
+        sys.exit(1)
+    click.echo(f"outbox table {OUTBOX_EVENTS.name!r} is up to date in {settings.db.display()}")
+
+
+# -- outbox ------------------------------------------------------------------------
+
+
+@main.group("outbox")
+def outbox_group() -> None:
+    """Events the relays set aside.
+
+    \b
+    Example:
+      dramatiq-gp outbox failed --json
+    """
+
+
+@outbox_group.command("failed")
+@click.option("--limit", default=100, show_default=True, help="at most this many")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
+def outbox_failed(limit: int, as_json: bool) -> None:
+    """List the events set aside after too many failed relay attempts.
+
+    \b
+    Example:
+      dramatiq-gp outbox failed --limit 20
+    """
+    from . import outbox
+
+    with _database(_settings()) as engine, engine.begin() as conn:
+        for event in outbox.failed_events(conn, limit=limit):
+            if as_json:
+                click.echo(json.dumps({**vars(event), "id": str(event.id)}, default=str))
+            else:
+                click.echo(f"{event.id}  {event.event}  attempts={event.attempts}  failed={event.failed_at}")
+                click.echo(f"    {event.last_error}")
+
+
+@outbox_group.command("retry")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="every set-aside event")
+def outbox_retry(ids: tuple[str, ...], every: bool) -> None:
+    """Make set-aside events pending again, by id or --all.
+
+    \b
+    Example:
+      dramatiq-gp outbox retry 0b6c1f0e-4c5d-4d4e-9a53-2f1b2c3d4e5f
+    """
+    from . import outbox
+
+    if bool(ids) == every:
+        _fail("give the event ids to retry, or --all")
+    with _database(_settings()) as engine, engine.begin() as conn:
+        count = outbox.retry_failed(conn, None if every else list(ids))
+    click.echo(f"{count} event(s) pending again")
+
+
+# -- schedule ----------------------------------------------------------------------
+
+
+@main.group()
+def schedule() -> None:
+    """Preview the schedule.
+
+    \b
+    Example:
+      dramatiq-gp schedule next "0 3 * * *" --tz Europe/Budapest
+    """
+
+
+@schedule.command("next")
+@click.argument("entry_or_spec")
+@click.option("-n", "count", default=5, show_default=True, help="how many fire times")
+@click.option("--tz", default=None, help="IANA zone (default: the entry's, or SCHEDULER_TIMEZONE)")
+def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
+    """The next fire times of a schedule entry (by name, as published by a worker) or of a cron spec.
+
+    \b
+    Examples:
+      dramatiq-gp schedule next "30 6 * * 1-5" -n 3 --tz Europe/Budapest
+      dramatiq-gp schedule next shop.nightly_sales_report
+    """
+    settings = _settings()
+    spec_text, zone_name = entry_or_spec, tz or settings.scheduler.timezone
+    if not entry_or_spec.startswith("@") and len(entry_or_spec.split()) == 1:  # an entry name
+        client = _redis(settings)
+        prefix = f"{settings.scheduler.namespace or settings.queue.namespace}:scheduler"
+        published = client.hget(prefix + ":entries", entry_or_spec)
+        if published is None:
+            _fail(f"no schedule entry {entry_or_spec!r} published under {prefix!r}; give a cron spec instead")
+        text = published.decode() if isinstance(published, bytes) else str(published)
+        spec_text, _, entry_zone = text.rpartition("|")
+        zone_name = tz or entry_zone
+    try:
+        spec = parse(spec_text)
+        zone = ZoneInfo(zone_name)
+    except CronError as exc:
+        raise click.ClickException(str(exc)) from None
+    except (ZoneInfoNotFoundError, ValueError):
+        raise click.ClickException(f"--tz {zone_name!r} is not an IANA time zone (e.g. UTC, Europe/Budapest)") from None
+    at = datetime.now(UTC)
+    for _ in range(count):
+        at = spec.next_after(at, zone)
+        click.echo(at.astimezone(zone).isoformat())
+
+
+# -- status ------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+def status(as_json: bool) -> None:
+    """The scheduler leader and entries, the outbox backlog, and per-queue message counts.
+
+    Reads Redis (and PostgreSQL when DB_URL is set) and writes nothing.
+
+    \b
+    Example:
+      dramatiq-gp status --json
+    """
+    from .status import outbox_status, queue_status, scheduler_status
+
+    settings = _settings()
+    client = _redis(settings)
+    namespace = settings.queue.namespace
+    prefixes = {f"{settings.scheduler.namespace or namespace}:scheduler"}
+    prefixes |= {key.decode()[: -len(":entries")] for key in client.scan_iter("*:scheduler:entries", count=1000)}
+    report: dict[str, Any] = {
+        "schedulers": [scheduler_status(client, prefix) for prefix in sorted(prefixes)],
+        "outbox": None,
+        "queues": queue_status(client, namespace),
+    }
+    if settings.db.configured:
+        with _database(settings) as engine:
+            report["outbox"] = outbox_status(engine)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    for scheduler in report["schedulers"]:
+        leader = scheduler["leader"]
+        who = (
+            f"{leader['host']} pid {leader['pid']} epoch {leader['epoch']}, lease until {leader['expires_at']}"
+            if leader
+            else "none"
+        )
+        click.echo(f"scheduler {scheduler['namespace']}: leader {who}")
+        for entry in scheduler["entries"]:
+            line = f"  {entry['name']}  {entry['spec']} ({entry['zone']})"
+            click.echo(f"{line}  next {entry['next_fire']}  last {entry['last_fired']}")
+    if report["outbox"] is not None:
+        box = report["outbox"]
+        click.echo(
+            f"outbox: {box['pending']} pending (oldest {box['oldest_pending_age_s']} s), {box['set_aside']} set aside"
+        )
+    for queue in report["queues"]:
+        click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
+                   f"{queue['delayed']} delayed, {queue['dead']} dead")  # fmt: skip
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -275,23 +275,25 @@ def test_sqlite_works_for_a_single_relay(make_kit, tmp_path, rdb, namespace):
     engine.dispose()
 
 
-def test_the_command_line_migrates_lists_and_retries(clean_env, database_url, engine, capsys):
+def test_the_command_line_migrates_lists_and_retries(clean_env, database_url, engine):
+    from click.testing import CliRunner
+
     from dramatiq_gp.cli import main
 
+    run = CliRunner().invoke
     clean_env.setenv("DB_URL", database_url)
-    assert main(["migrate", "up"]) == 0
-    assert main(["migrate", "up"]) == 0  # again: nothing to do
+    assert run(main, ["migrate", "up"]).exit_code == 0
+    assert run(main, ["migrate", "up"]).exit_code == 0  # again: nothing to do
     with engine.begin() as conn:
         conn.execute(
             OUTBOX_EVENTS.insert().values(
                 id=uuid.uuid4(), event="x.y", payload={}, failed_at=sa.func.now(), last_error="boom", attempts=10
             )
         )
-    capsys.readouterr()
-    assert main(["outbox", "failed"]) == 0
-    assert "x.y  attempts=10" in capsys.readouterr().out
-    assert main(["outbox", "retry", "--all"]) == 0
-    assert "1 event(s) pending again" in capsys.readouterr().out
+    failed = run(main, ["outbox", "failed"])
+    assert failed.exit_code == 0 and "x.y  attempts=10" in failed.output
+    retried = run(main, ["outbox", "retry", "--all"])
+    assert retried.exit_code == 0 and "1 event(s) pending again" in retried.output
     clean_env.delenv("DB_URL")
-    assert main(["outbox", "failed"]) == 2
-    assert "set DB_URL" in capsys.readouterr().err
+    missing = run(main, ["outbox", "failed"])
+    assert missing.exit_code == 1 and "set DB_URL" in missing.output

@@ -118,6 +118,11 @@ class Runner:
 
     def start(self) -> None:
         self._stop.clear()
+        # Published for ``dramatiq-gp status``, which reads Redis, not the application.
+        self.broker.client.hset(
+            f"{self.prefix}:entries",
+            mapping={entry.name: f"{entry.spec.text}|{entry.zone.key}" for entry in self.schedule},
+        )
         self.lease.start()
         self._thread = threading.Thread(target=self._run, name="gp-scheduler", daemon=True)
         self._thread.start()
