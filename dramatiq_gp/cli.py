@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -229,6 +230,143 @@ def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
     for _ in range(count):
         at = spec.next_after(at, zone)
         click.echo(at.astimezone(zone).isoformat())
+
+
+# -- generators --------------------------------------------------------------------
+
+
+def _apply(make: Callable[[], Any]) -> None:
+    from .generate import GenerateError
+
+    try:
+        plan = make()
+    except GenerateError as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in plan.apply():
+        click.echo(line)
+
+
+_project = click.option(
+    "-C", "--project", "root", default=".", show_default=True, type=click.Path(file_okay=False, path_type=Path),
+    help="the project's directory",
+)  # fmt: skip
+
+
+@main.group()
+def new() -> None:
+    """Start a project or a module.
+
+    \b
+    Example:
+      dramatiq-gp new project shop && cd shop && dramatiq-gp new module billing
+    """
+
+
+@new.command("project")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--name", default=None, help="the Python package (default: from the directory)")
+@click.option("--no-worker", is_flag=True, help="no worker entry point (add it later with `add worker`)")
+def new_project(directory: Path, name: str | None, no_worker: bool) -> None:
+    """An application skeleton: config from env, worker, migrate entry point, docker-compose.yml, README, tests.
+
+    \b
+    Example:
+      dramatiq-gp new project shop --name shop
+    """
+    from . import generate
+
+    _apply(lambda: generate.new_project(directory, name, worker=not no_worker))
+
+
+@new.command("module")
+@click.argument("module")
+@_project
+def new_module(module: str, root: Path) -> None:
+    """A module (events, listeners, jobs, register) registered in the worker.
+
+    \b
+    Example:
+      dramatiq-gp new module billing
+    """
+    from . import generate
+
+    _apply(lambda: generate.new_module(root, module))
+
+
+@main.group()
+def add() -> None:
+    """Add a worker, an event, a listener or a job to a project.
+
+    \b
+    Example:
+      dramatiq-gp add listener billing InvoicePaid send_receipt --queue mail
+    """
+
+
+@add.command("worker")
+@_project
+def add_worker(root: Path) -> None:
+    """The worker entry point, for a project made with --no-worker.
+
+    \b
+    Example:
+      dramatiq-gp add worker
+    """
+    from . import generate
+
+    _apply(lambda: generate.add_worker(root))
+
+
+@add.command("event")
+@click.argument("module")
+@click.argument("event")
+@_project
+def add_event(module: str, event: str, root: Path) -> None:
+    """An event class in a module's events.py.
+
+    \b
+    Example:
+      dramatiq-gp add event billing InvoicePaid
+    """
+    from . import generate
+
+    _apply(lambda: generate.add_event(root, module, event))
+
+
+@add.command("listener")
+@click.argument("module")
+@click.argument("event")
+@click.argument("name")
+@click.option("--queue", default="default", show_default=True)
+@_project
+def add_listener(module: str, event: str, name: str, queue: str, root: Path) -> None:
+    """A listener stub for an event, registered in the module.
+
+    \b
+    Example:
+      dramatiq-gp add listener billing InvoicePaid send_receipt --queue mail
+    """
+    from . import generate
+
+    _apply(lambda: generate.add_listener(root, module, event, name, queue=queue))
+
+
+@add.command("job")
+@click.argument("module")
+@click.argument("name")
+@click.option("--cron", required=True, help='when it runs: "0 3 * * *", "@daily", "@every 10m"')
+@click.option("--queue", default="default", show_default=True)
+@_project
+def add_job(module: str, name: str, cron: str, queue: str, root: Path) -> None:
+    """A job stub on a cron schedule, registered in the module.
+
+    \b
+    Example:
+      dramatiq-gp add job billing nightly_report --cron "0 3 * * *"
+    """
+    from . import generate
+
+    _apply(lambda: generate.add_job(root, module, name, cron=cron, queue=queue))
 
 
 # -- status ------------------------------------------------------------------------

@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from collector import Collector, start_collector
 from dramatiq import Message
 from dramatiq.brokers.redis import RedisBroker
 from opentelemetry.sdk.trace import TracerProvider
 
 import dramatiq_gp as gp
 from apps.app_events import OrderPlaced
+from collector import Collector, start_collector
 from helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

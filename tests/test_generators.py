@@ -1,0 +1,163 @@
+"""The generators: a project that passes its own tests and runs, idempotent re-runs, errors that change nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dramatiq_gp.cli import main
+from helpers import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def gp(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> tuple[Path, str]:
+    name = f"app_{uuid.uuid4().hex[:6]}"
+    root = tmp_path / name
+    code, output = gp("new", "project", str(root))
+    assert code == 0, output
+    steps = [
+        ["new", "module", "billing"],
+        ["add", "event", "billing", "InvoicePaid"],
+        ["add", "listener", "billing", "InvoicePaid", "send_receipt", "--queue", "mail"],
+        ["add", "job", "billing", "heartbeat", "--cron", "@every 1s"],
+    ]
+    for step in steps:
+        code, output = gp(*step, "-C", str(root))
+        assert code == 0, (step, output)
+    return root, name
+
+
+def test_a_generated_project_installs_in_a_fresh_venv_and_passes_its_own_tests(project, tmp_path):
+    root, _name = project
+    venv = tmp_path / "venv"
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # dramatiq-gp from this checkout (it is not on the package index under test), then the project.
+    for target in (str(ROOT), f"{root}[dev]"):
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", target], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    done = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+
+
+def test_the_generated_worker_runs_the_listener_and_the_job(project, clean_env, redis_url, database_url, namespace):
+    root, name = project
+    effects = root / "effects.txt"
+    # The handler bodies are the user's: make them leave a trace.
+    for stub, line in (("listeners/send_receipt.py", "receipt"), ("jobs/heartbeat.py", "heartbeat")):
+        path = root / name / "modules" / "billing" / stub
+        text = path.read_text()
+        body_marker = '"""\n\n    return'
+        path.write_text(
+            text.replace(body_marker, f'"""\n        open({str(effects)!r}, "a").write("{line}\\n")\n\n    return', 1)
+        )
+    env = {**os.environ, "PYTHONPATH": str(root), "REDIS_URL": redis_url, "DB_URL": database_url,
+           "VALKEY_NAMESPACE": namespace, "SCHEDULER_LEASE_TTL": "2s"}  # fmt: skip
+    subprocess.run([sys.executable, "-m", f"{name}.migrate"], cwd=root, env=env, check=True, capture_output=True)
+    log = (root / "worker.log").open("w")
+    worker = subprocess.Popen([sys.executable, "-m", "dramatiq", f"{name}.worker", "-p", "1", "-t", "2"], cwd=root,
+                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        dispatch = (
+            "import sqlalchemy as sa, dramatiq_gp as gp\n"
+            f"from {name}.modules.billing.events import InvoicePaid\n"
+            "engine = sa.create_engine(__import__('os').environ['DB_URL'])\n"
+            "with engine.begin() as conn:\n"
+            "    gp.dispatch(conn, InvoicePaid())\n"
+        )
+        subprocess.run([sys.executable, "-c", dispatch], cwd=root, env=env, check=True, capture_output=True)
+        wait_for(lambda: effects.exists() and {"receipt", "heartbeat"} <= set(effects.read_text().split()), timeout=30)
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(30)
+        log.close()
+    assert effects.read_text().split().count("receipt") == 1
+
+
+def test_every_generator_run_again_changes_nothing(project):
+    root, _name = project
+    before = tree(root)
+    for step in (["new", "module", "billing"], ["add", "event", "billing", "InvoicePaid"],
+                 ["add", "listener", "billing", "InvoicePaid", "send_receipt", "--queue", "mail"],
+                 ["add", "job", "billing", "heartbeat", "--cron", "@every 1s"], ["add", "worker"]):  # fmt: skip
+        code, output = gp(*step, "-C", str(root))
+        assert code == 0, output
+    assert tree(root) == before
+
+
+def test_a_file_the_user_edited_is_never_overwritten(project):
+    root, name = project
+    stub = root / name / "modules" / "billing" / "listeners" / "send_receipt.py"
+    stub.write_text(stub.read_text() + "\n# mine\n")
+    code, output = gp("add", "listener", "billing", "InvoicePaid", "send_receipt", "--queue", "mail", "-C", str(root))
+    assert code == 0 and "kept" in output
+    assert stub.read_text().endswith("# mine\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["add", "event", "shipping", "Sent"], "no module 'shipping'"),
+        (["add", "listener", "billing", "Unknown", "x"], "no event 'Unknown'"),
+        (["add", "listener", "billing", "InvoicePaid", "send_receipt", "--queue", "other"], "already registered"),
+        (["add", "job", "billing", "report", "--cron", "0 25 * * *"], "cron spec '0 25 * * *'"),
+        (["add", "job", "billing", "heartbeat", "--cron", "@every 5s"], "already scheduled"),
+        (["add", "event", "billing", "invoice_paid"], "must be CamelCase"),
+        (["add", "listener", "billing", "InvoicePaid", "Send-Receipt"], "must be snake_case"),
+        (["new", "module", "Bad Name"], "must be snake_case"),
+    ],
+)
+def test_errors_change_no_file(project, args, message):
+    root, _name = project
+    before = tree(root)
+    code, output = gp(*args, "-C", str(root))
+    assert code == 1 and message in output, output
+    assert tree(root) == before
+
+
+def test_a_missing_anchor_is_named_and_changes_nothing(project):
+    root, name = project
+    register = root / name / "modules" / "billing" / "register.py"
+    register.write_text(register.read_text().replace("    # gpsystem:listeners\n", ""))
+    before = tree(root)
+    code, output = gp("add", "listener", "billing", "InvoicePaid", "audit", "-C", str(root))
+    assert code == 1 and "has no '# gpsystem:listeners' anchor" in output
+    assert tree(root) == before
+
+
+def test_new_project_refuses_a_directory_in_use(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    code, output = gp("new", "project", str(tmp_path / "taken"))
+    assert code == 1 and "not empty" in output
+
+
+def test_add_worker_registers_the_modules_of_a_project_made_without_one(tmp_path):
+    root = tmp_path / "noworker"
+    assert gp("new", "project", str(root), "--no-worker")[0] == 0
+    assert gp("new", "module", "billing", "-C", str(root))[0] == 0
+    assert not (root / "noworker" / "worker.py").exists()
+    code, output = gp("add", "worker", "-C", str(root))
+    assert code == 0, output
+    worker = (root / "noworker" / "worker.py").read_text()
+    assert "register_billing(registry, schedule, deps)" in worker
