@@ -68,6 +68,22 @@ elseif ARGV[5] == "release" and redis.call("get", KEYS[7]) == ARGV[6] then
 end
 """
 
+_SET_ASIDE = """
+-- KEYS: acks, msgs, xq, xq msgs; ARGV: data, now
+-- The fetch moved the message's id to the acks set; find it by its data.
+local moved = 0
+for _, id in ipairs(redis.call("smembers", KEYS[1])) do
+    if redis.call("hget", KEYS[2], id) == ARGV[1] then
+        redis.call("srem", KEYS[1], id)
+        redis.call("hdel", KEYS[2], id)
+        redis.call("zadd", KEYS[3], ARGV[2], id)
+        redis.call("hset", KEYS[4], id, ARGV[1])
+        moved = moved + 1
+    end
+end
+return moved
+"""
+
 SETTLEMENT_ATTR = "_gp_settlement"
 
 
@@ -116,6 +132,7 @@ class Broker(RedisBroker):
         #: (strict priority learns from it whether a queue still has a backlog in Redis).
         self.on_fetched: Callable[[str, int], None] | None = None
         self._settle = self.client.register_script(_SETTLE)
+        self._set_aside = self.client.register_script(_SET_ASIDE)
         self._warned_lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
 
@@ -202,6 +219,18 @@ class Broker(RedisBroker):
         if copy is not None:
             self.emit_after("enqueue", copy, plan.delay_ms)
 
+    def set_aside_undecodable(self, queue_name: str, data: bytes) -> int:
+        """Dead-letter a fetched message that cannot be decoded (it never reaches a worker thread).
+
+        Left unacknowledged, it would come back after every heartbeat timeout for
+        ever; in Dramatiq's dead-letter set (``<queue>.XQ``) it is kept for
+        inspection and expires with the others.
+        """
+        ns, canonical = self.namespace, q_name(queue_name)
+        keys = [f"{ns}:__acks__.{self.broker_id}.{queue_name}", f"{ns}:{queue_name}.msgs",
+                f"{ns}:{canonical}.XQ", f"{ns}:{canonical}.XQ.msgs"]  # fmt: skip
+        return int(self._set_aside(keys=keys, args=[data, current_millis()]))
+
     def _warn_once(self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING) -> None:
         """Log ``msg`` the first time ``kind`` happens to ``task_type`` in this process."""
         with self._warned_lock:
@@ -282,8 +311,13 @@ class _Consumer(_RedisConsumer):
                 continue
             try:
                 message = MessageProxy(Message.decode(data))
-            except DecodeError:
-                logger.exception("cannot decode a message on queue %r; leaving it unacked", self.queue_name)
+            except DecodeError as exc:
+                moved = self.broker.set_aside_undecodable(self.queue_name, data)
+                logger.error(
+                    "cannot decode a message on queue %r (%s: %.80r); %s",
+                    self.queue_name, type(exc.error).__name__, data,
+                    "moved to the dead-letter set" if moved else "could not find it to set it aside",
+                )  # fmt: skip
                 continue
             self.queued_message_ids.add(message.message_id)
             # Delayed messages are only parked here; they are checked when they come due.

@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import dramatiq
+import pytest
 from dramatiq import Message
 
 import dramatiq_gp as gp
@@ -84,3 +86,28 @@ def test_after_the_grace_period_an_unknown_task_is_skipped(make_kit, start_worke
     wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") + rdb.hlen(f"{namespace}:default.DQ.msgs") == 0)
     assert any("holding its messages" in m for m in messages_of(caplog, "dramatiq_gp", logging.INFO))
     assert rdb.zcard(f"{namespace}:default.XQ") == 0
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\x00\xffnot json", b'{"queue_name": "default"}', b'{"queue_name": "default", "actor_name": "noop", "args": 5}'],
+    ids=["bytes", "missing-fields", "wrong-shape"],
+)
+def test_a_message_that_cannot_be_decoded_is_dead_lettered_and_stalls_nothing(
+    make_kit, start_worker, rdb, namespace, caplog, garbage
+):
+    kit = make_kit()
+    done: list[int] = []
+    actor = dramatiq.actor(done.append, broker=kit.broker, actor_name="noop", queue_name="default")
+    actor.send(1)
+    rdb.rpush(f"{namespace}:default", "garbage-id")
+    rdb.hset(f"{namespace}:default.msgs", "garbage-id", garbage)
+    actor.send(2)
+    with caplog.at_level(logging.ERROR):
+        start_worker(kit)
+        wait_for(lambda: sorted(done) == [1, 2])
+    assert rdb.zscore(f"{namespace}:default.XQ", "garbage-id") is not None
+    assert rdb.hexists(f"{namespace}:default.XQ.msgs", "garbage-id")
+    assert not any(rdb.sismember(key, "garbage-id") for key in rdb.scan_iter(f"{namespace}:__acks__.*"))
+    (line,) = [m for m in messages_of(caplog, "dramatiq_gp.broker", logging.ERROR) if "cannot decode" in m]
+    assert "moved to the dead-letter set" in line
