@@ -278,6 +278,29 @@ class _Consumer(_RedisConsumer):
         super().__init__(*args)  # type: ignore[no-untyped-call]
         self._ready: deque[MessageProxy] = deque()
         self._freed = threading.Event()
+        if self.queue_name.endswith(".DQ"):
+            self._return_dropped_delayed()
+
+    def _return_dropped_delayed(self) -> None:
+        """Put back the delayed messages this process fetched but no longer holds.
+
+        On a connection error Dramatiq's consumer thread drops the delayed messages
+        it holds in memory and builds a new consumer; their ids stay in this
+        process's unacknowledged set, where nothing would look at them until the
+        process exits (a Redis restart stranded retries that way). A new delay-queue
+        consumer starts with nothing in memory, so every id in that set is one of
+        those: back to the delay queue they go, to be fetched again.
+        """
+        acks = f"{self.broker.namespace}:__acks__.{self.broker.broker_id}.{self.queue_name}"
+        try:
+            dropped = self.broker.client.smembers(acks)
+            if dropped:
+                self.broker.do_requeue(self.queue_name, *dropped)
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        if dropped:
+            logger.info("returned %d delayed message(s) dropped after a connection error to %r",
+                        len(dropped), self.queue_name)  # fmt: skip
 
     def __next__(self) -> MessageProxy | None:
         try:

@@ -1,0 +1,362 @@
+"""The shop under load and faults: nothing lost, nothing applied twice, every tick once.
+
+Starts its own Redis and PostgreSQL (so it can restart them) and three replicas of
+``dramatiq benchmarks.soak_worker`` (the shop plus score-keeping), each with two
+worker processes. A load thread places orders in transactions at a steady rate;
+the schedule fires ``@every 1s``. Meanwhile faults are injected in turn:
+``kill -9`` of a random replica and of the scheduler leader's replica, a rolling
+SIGTERM restart of every replica, a Redis restart, a PostgreSQL restart, the
+leader's replica paused with SIGSTOP past the lease TTL, a poison outbox event,
+and garbage pushed into a queue; a listener (``audit``) fails half its attempts
+throughout.
+
+When the time is up the load stops, the system settles, and the ledger is read:
+
+* ``lost``: committed orders missing any of their three effects (mail, sale, audit);
+* ``duplicate_effects``: effects applied more than once (the audit listener counts runs);
+* ``ticks_missed`` / ``ticks_duplicated``: seconds between the first and last tick
+  of ``soak.tick`` with no run, and ticks run more than once;
+* ``stuck_messages``: messages still ready, in flight or delayed after settling;
+* ``set_aside`` against ``poison_events``; ``rss_mb_start`` (minute 2) and
+  ``rss_mb_end``: the largest worker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+REPLICAS = 3
+LEASE_TTL_S = 3.0
+
+
+@dataclass
+class Replica:
+    index: int
+    env: dict[str, str]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "dramatiq", "benchmarks.soak_worker", "-p", "2", "-t", "4"]
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # fmt: skip
+
+    def pids(self) -> list[int]:
+        """The replica's worker processes."""
+        if self.process is None:
+            return []
+        try:
+            out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
+        except OSError:
+            return []
+        return [int(p) for p in out.split()]
+
+    def signal_all(self, signum: int) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):  # already gone
+                os.killpg(self.process.pid, signum)
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.process is None:
+            return
+        self.signal_all(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal_all(signal.SIGKILL)
+            self.process.wait()
+
+    def kill(self) -> None:
+        self.signal_all(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait()
+
+
+@dataclass
+class Soak:
+    minutes: float
+    rate: float
+    work: Path
+    faults: Counter[str] = field(default_factory=Counter)
+    committed: list[int] = field(default_factory=list)
+    poison: int = 0
+    garbage: int = 0
+    rss_start: float = 0.0
+    stop_load: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> dict[str, Any]:
+        from tests.servers import OwnPostgres, OwnRedis
+
+        self.redis, self.postgres = OwnRedis(self.work / "redis"), OwnPostgres(self.work / "pg")
+        self.redis.start()
+        self.postgres.start()
+        try:
+            return self._run()
+        finally:
+            for replica in getattr(self, "replicas", []):
+                replica.kill()
+            self.redis.stop()
+            self.postgres.stop()
+
+    def _run(self) -> dict[str, Any]:
+        import sqlalchemy as sa
+
+        from benchmarks import soak_worker
+        from examples.shop.db import metadata
+
+        self.namespace = f"soak-{uuid.uuid4().hex[:6]}"
+        db_url = self.postgres.url
+        self.engine = sa.create_engine(db_url, pool_pre_ping=True)
+        metadata.create_all(self.engine)
+        soak_worker.metadata.create_all(self.engine)
+        env = {**os.environ, "REDIS_URL": self.redis.url, "DB_URL": db_url, "VALKEY_NAMESPACE": self.namespace,
+               "SCHEDULER_LEASE_TTL": f"{LEASE_TTL_S}s", "SCHEDULER_CATCHUP": "all", "WORKER_MIN_BACKOFF": "200ms",
+               "WORKER_MAX_BACKOFF": "2s", "WORKER_SHUTDOWN_TIMEOUT": "10s", "OUTBOX_MAX_ATTEMPTS": "3",
+               "LOG_LEVEL": "WARN", "PYTHONPATH": str(ROOT)}  # fmt: skip
+        self.replicas = [Replica(i, env, self.work / f"replica-{i}.log") for i in range(REPLICAS)]
+        for replica in self.replicas:
+            replica.start()
+        time.sleep(5)
+        load = threading.Thread(target=self._load, daemon=True)
+        load.start()
+        started = time.monotonic()
+        end = started + self.minutes * 60
+        fault_gap = max(5.0, self.minutes * 60 / 40)
+        kinds = ["kill_replica", "kill_leader", "pause_leader", "redis_restart", "postgres_restart",
+                 "rolling_restart", "poison_event", "garbage_message"]  # fmt: skip
+        next_fault = started + fault_gap
+        while time.monotonic() < end:
+            if not self.rss_start and time.monotonic() - started >= min(120, self.minutes * 60 / 3):
+                self.rss_start = self._rss()
+            if time.monotonic() >= next_fault:
+                kind = kinds[sum(self.faults.values()) % len(kinds)]
+                self._inject(kind)
+                self.faults[kind] += 1
+                print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
+                next_fault = time.monotonic() + fault_gap
+            time.sleep(0.2)
+        self.stop_load.set()
+        load.join()
+        rss_end = self._rss()
+        self._settle()
+        result = self._ledger()
+        result.update(minutes=self.minutes, faults_injected=sum(self.faults.values()), faults=dict(self.faults),
+                      rss_mb_start=round(self.rss_start, 1), rss_mb_end=round(rss_end, 1),
+                      events_per_s=round(len(self.committed) / (self.minutes * 60), 1))  # fmt: skip
+        for replica in self.replicas:
+            replica.stop()
+        self.engine.dispose()
+        return result
+
+    # -- load and faults -------------------------------------------------------------
+
+    def _load(self) -> None:
+        from sqlalchemy.orm import Session
+
+        from examples.shop.place_orders import place_order
+
+        order_id = 1
+        while not self.stop_load.is_set():
+            try:
+                with Session(self.engine) as session, session.begin():
+                    place_order(session, order_id, f"c{order_id}@example.com", 1000 + order_id % 500)
+                self.committed.append(order_id)
+                order_id += 1
+            except Exception:  # PostgreSQL restarting: this order was not committed; try it again
+                time.sleep(0.2)
+            time.sleep(1 / self.rate)
+
+    def _leader_replica(self) -> Replica | None:
+        import redis
+
+        client = redis.Redis.from_url(self.redis.url)
+        try:
+            pid = client.hget(f"{self.namespace}:scheduler:leader", "pid")
+        except redis.RedisError:
+            return None
+        finally:
+            client.close()
+        return next((r for r in self.replicas if pid and int(pid) in r.pids()), None)
+
+    def _inject(self, kind: str) -> None:
+        if kind in ("kill_replica", "kill_leader"):
+            replica = (self._leader_replica() if kind == "kill_leader" else None) or random.choice(self.replicas)
+            replica.kill()
+            time.sleep(1)
+            replica.start()
+        elif kind == "pause_leader":
+            replica = self._leader_replica() or random.choice(self.replicas)
+            replica.signal_all(signal.SIGSTOP)
+            time.sleep(LEASE_TTL_S + 2)
+            replica.signal_all(signal.SIGCONT)
+        elif kind == "rolling_restart":
+            for replica in self.replicas:
+                replica.stop()
+                replica.start()
+                time.sleep(2)
+        elif kind == "redis_restart":
+            self.redis.restart(down_for=2)
+        elif kind == "postgres_restart":
+            self.postgres.restart(down_for=2)
+        elif kind == "poison_event":
+            import sqlalchemy as sa
+
+            from dramatiq_gp.outbox.table import OUTBOX_EVENTS
+
+            with self.engine.begin() as conn:
+                conn.execute(OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event="soak.no_such_event", payload={}))
+            self.poison += 1
+            del sa
+        elif kind == "garbage_message":
+            import redis
+
+            client = redis.Redis.from_url(self.redis.url)
+            for data in (b"\x00\xff garbage", b'{"queue_name": "default"}', b'{"x": ' + b"1" * 100_000 + b"}"):
+                key = f"garbage-{uuid.uuid4().hex}"
+                client.hset(f"{self.namespace}:default.msgs", key, data)
+                client.rpush(f"{self.namespace}:default", key)
+                self.garbage += 1
+            client.close()
+
+    def _rss(self) -> float:
+        biggest = 0.0
+        for replica in self.replicas:
+            for pid in replica.pids():
+                try:
+                    with open(f"/proc/{pid}/status") as status:
+                        for line in status:
+                            if line.startswith("VmRSS:"):
+                                biggest = max(biggest, int(line.split()[1]) / 1024)
+                except OSError:
+                    continue
+        return biggest
+
+    # -- the end -------------------------------------------------------------------
+
+    def _counts(self) -> tuple[int, int]:
+        """Outbox rows pending, and messages ready, in flight or delayed."""
+        import redis
+
+        from dramatiq_gp.status import outbox_status, queue_status
+
+        client = redis.Redis.from_url(self.redis.url)
+        try:
+            queues = queue_status(client, self.namespace)
+        finally:
+            client.close()
+        messages = sum(q["ready"] + q["in_flight"] + q["delayed"] for q in queues)
+        return outbox_status(self.engine)["pending"], messages
+
+    def _settle(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                pending, messages = self._counts()
+            except Exception:
+                pending, messages = -1, -1
+            if pending == 0 and messages == 0:
+                return
+            time.sleep(1)
+
+    def _ledger(self) -> dict[str, Any]:
+        import sqlalchemy as sa
+
+        from benchmarks.soak_worker import audit, ticks
+        from examples.shop.db import sales, sent_emails
+
+        committed = set(self.committed)
+        with self.engine.connect() as conn:
+            mailed = {
+                int(k.rsplit(":", 1)[1])
+                for (k,) in conn.execute(
+                    sa.select(sent_emails.c.dedup_key).where(sent_emails.c.dedup_key.like("order-confirmation:%"))
+                )
+            }
+            sold = set(conn.execute(sa.select(sales.c.order_id)).scalars())
+            audited = dict(conn.execute(sa.select(audit.c.order_id, audit.c.runs)).tuples().all())
+            tick_runs = dict(conn.execute(sa.select(ticks.c.tick, ticks.c.runs)).tuples().all())
+            set_aside = conn.execute(
+                sa.text("SELECT count(*) FROM outbox_events WHERE failed_at IS NOT NULL")
+            ).scalar_one()
+        lost = len(committed - mailed) + len(committed - sold) + len(committed - set(audited))
+        duplicates = sum(runs - 1 for runs in audited.values() if runs > 1)
+        missed = 0
+        if tick_runs:
+            first, last = min(tick_runs), max(tick_runs)
+            expected = int((last - first) / timedelta(seconds=1)) + 1
+            missed = expected - len(tick_runs)
+        pending, messages = self._counts()
+        import redis
+
+        from dramatiq_gp.status import queue_status
+
+        client = redis.Redis.from_url(self.redis.url)
+        stuck = [q for q in queue_status(client, self.namespace) if q["ready"] + q["in_flight"] + q["delayed"]]
+        if stuck:  # where the stuck ones are: whose unacked sets, and whether those workers still beat
+            now = time.time() * 1000
+            beats = {
+                k.decode(): now - v
+                for k, v in client.zrange(f"{self.namespace}:__heartbeats__", 0, -1, withscores=True)
+            }
+            for key in client.scan_iter(f"{self.namespace}:__acks__.*"):
+                worker_id = key.decode().split("__acks__.")[1].split(".")[0]
+                stuck.append(
+                    {
+                        "acks": key.decode().split("__acks__.")[1],
+                        "size": client.scard(key),
+                        "heartbeat_age_ms": beats.get(worker_id),
+                    }
+                )
+            stuck.append({"dq_list": client.llen(f"{self.namespace}:default.DQ")})
+        client.close()
+        return {
+            "orders": len(committed),
+            "lost": lost,
+            "lost_by_effect": {
+                "mail": len(committed - mailed),
+                "sale": len(committed - sold),
+                "audit": len(committed - set(audited)),
+            },
+            "stuck_by_queue": stuck,
+            "duplicate_effects": duplicates,
+            "ticks": len(tick_runs),
+            "ticks_missed": missed,
+            "ticks_duplicated": sum(1 for runs in tick_runs.values() if runs > 1),
+            "stuck_messages": messages,
+            "outbox_pending": pending,
+            "poison_events": self.poison,
+            "set_aside": int(set_aside),
+            "garbage_messages": self.garbage,
+        }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks soak", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    parser.add_argument("--minutes", type=float, default=10)
+    parser.add_argument("--rate", type=float, default=20, help="orders per second")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="gp-soak-") as work:
+        result = Soak(args.minutes, args.rate, Path(work)).run()
+    print(", ".join(f"{k} {v}" for k, v in result.items() if k != "faults"))
+    if args.json:
+        print(json.dumps(result))
+    return 0
