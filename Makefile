@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench chaos clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(PY) -m pytest -q
+
+# The reliability suite: the shop under load while replicas die and servers restart.
+chaos: $(VENV)/.installed
+	$(PY) -m pytest -q -m chaos tests/chaos
 
 bench: $(VENV)/.installed
 	$(PY) -m devtools.services run -- $(PY) -m benchmarks overhead

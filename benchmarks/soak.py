@@ -304,6 +304,8 @@ class Soak:
             expected = int((last - first) / timedelta(seconds=1)) + 1
             missed = expected - len(tick_runs)
         pending, messages = self._counts()
+        lost_orders = sorted(committed - (mailed & sold & set(audited)))
+        diagnosis = self._diagnose(lost_orders[:5]) if lost_orders else []
         import redis
 
         from dramatiq_gp.status import queue_status
@@ -336,6 +338,7 @@ class Soak:
                 "audit": len(committed - set(audited)),
             },
             "stuck_by_queue": stuck,
+            "lost_orders": diagnosis,
             "duplicate_effects": duplicates,
             "ticks": len(tick_runs),
             "ticks_missed": missed,
@@ -346,6 +349,39 @@ class Soak:
             "set_aside": int(set_aside),
             "garbage_messages": self.garbage,
         }
+
+    def _diagnose(self, order_ids: list[int]) -> list[dict[str, Any]]:
+        """What became of the events of lost orders: their outbox rows and their messages' traces in Redis."""
+        import redis
+        import sqlalchemy as sa
+
+        from dramatiq_gp.outbox.table import OUTBOX_EVENTS
+        from dramatiq_gp.registry import fan_out_id
+
+        client = redis.Redis.from_url(self.redis.url, decode_responses=True)
+        dead = {}
+        for key in client.scan_iter(f"{self.namespace}:*.XQ.msgs"):
+            for value in client.hvals(key):
+                dead[value[:300]] = key
+        found = []
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(OUTBOX_EVENTS)).mappings().all()
+        for order_id in order_ids:
+            row = next((r for r in rows if r["payload"].get("order_id") == order_id), None)
+            entry: dict[str, Any] = {"order_id": order_id, "row": None}
+            if row is not None:
+                event_id = str(row["id"])
+                entry["row"] = {"id": event_id, "published_at": str(row["published_at"]),
+                                "failed_at": str(row["failed_at"]), "attempts": row["attempts"]}  # fmt: skip
+                ids = {"fan_out": event_id} | {
+                    name: fan_out_id(event_id, f"listener:shop.order_placed:{name}")
+                    for name in ("send_confirmation", "record_sale", "audit")
+                }
+                entry["done_keys"] = {k: client.get(f"{self.namespace}:gp:done:{v}") for k, v in ids.items()}
+                entry["dead_letters"] = [key for value, key in dead.items() if event_id in value]
+            found.append(entry)
+        client.close()
+        return found
 
 
 def main(argv: list[str]) -> int:
