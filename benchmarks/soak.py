@@ -16,7 +16,8 @@ When the time is up the load stops, the system settles, and the ledger is read:
 * ``duplicate_effects``: effects applied more than once (the audit listener counts runs);
 * ``ticks_missed`` / ``ticks_duplicated``: seconds between the first and last tick
   of ``soak.tick`` with no run, and ticks run more than once;
-* ``stuck_messages``: messages still ready, in flight or delayed after settling;
+* ``stuck_messages``: messages still ready, in flight or delayed after settling, and
+  ``dead_letters``: messages dead-lettered other than the garbage pushed in;
 * ``set_aside`` against ``poison_events``; ``rss_mb_start`` (minute 2) and
   ``rss_mb_end``: the largest worker process.
 """
@@ -311,7 +312,10 @@ class Soak:
         from dramatiq_gp.status import queue_status
 
         client = redis.Redis.from_url(self.redis.url)
-        stuck = [q for q in queue_status(client, self.namespace) if q["ready"] + q["in_flight"] + q["delayed"]]
+        queues = queue_status(client, self.namespace)
+        stuck = [q for q in queues if q["ready"] + q["in_flight"] + q["delayed"]]
+        # Dead letters other than the garbage pushed in: messages that failed every retry.
+        dead_letters = sum(q["dead"] for q in queues) - self.garbage
         if stuck:  # where the stuck ones are: whose unacked sets, and whether those workers still beat
             now = time.time() * 1000
             beats = {
@@ -344,6 +348,7 @@ class Soak:
             "ticks_missed": missed,
             "ticks_duplicated": sum(1 for runs in tick_runs.values() if runs > 1),
             "stuck_messages": messages,
+            "dead_letters": dead_letters,
             "outbox_pending": pending,
             "poison_events": self.poison,
             "set_aside": int(set_aside),
