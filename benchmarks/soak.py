@@ -394,9 +394,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--rate", type=float, default=20, help="orders per second")
+    parser.add_argument("--keep", type=Path, help="keep the replicas' logs and the servers' files in this directory")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="gp-soak-") as work:
-        result = Soak(args.minutes, args.rate, Path(work)).run()
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        result = Soak(args.minutes, args.rate, args.keep).run()
+    else:
+        with tempfile.TemporaryDirectory(prefix="gp-soak-") as work:
+            result = Soak(args.minutes, args.rate, Path(work)).run()
     print(", ".join(f"{k} {v}" for k, v in result.items() if k != "faults"))
     if args.json:
         print(json.dumps(result))

@@ -28,7 +28,7 @@ from .middleware import (
     Tracing,
     WeightedQueue,
 )
-from .registry import Listener, Registry, default_registry, fan_out_id, listener
+from .registry import Envelope, Listener, Registry, current_envelope, default_registry, fan_out_id, listener
 from .scheduler import CronError, Schedule, ScheduleError
 from .settings import (
     DatabaseSettings,
@@ -50,6 +50,7 @@ __all__ = [
     "ConfigError",
     "CronError",
     "DatabaseSettings",
+    "Envelope",
     "EventEncodeError",
     "EventError",
     "EventType",
@@ -78,6 +79,7 @@ __all__ = [
     "Tracing",
     "WeightedQueue",
     "WorkerSettings",
+    "current_envelope",
     "current_kit",
     "default_registry",
     "dispatch",

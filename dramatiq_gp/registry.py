@@ -18,7 +18,9 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TypeVar
 from uuid import UUID, uuid5
 
@@ -45,6 +47,39 @@ def event_actor_name(event_name: str) -> str:
 def fan_out_id(envelope_id: str, actor_name: str) -> str:
     """The message id of ``actor_name``'s copy of envelope ``envelope_id``."""
     return str(uuid5(FAN_OUT_NAMESPACE, f"{envelope_id}/{actor_name}"))
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What a listener may know of the event it handles, besides the event itself."""
+
+    #: The same for every listener and every redelivery of one event: the key that
+    #: makes a listener's side effect idempotent (a unique column, a dedup key).
+    id: str
+    #: The event's wire name.
+    event: str
+    #: For an event fired by the schedule: the tick it was fired for.
+    scheduled_at: datetime | None = None
+
+
+_envelope: ContextVar[Mapping[str, Any] | None] = ContextVar("dramatiq_gp_envelope", default=None)
+
+
+def current_envelope() -> Envelope:
+    """The envelope of the event the calling listener is handling.
+
+    Raises:
+        RuntimeError: called outside a listener.
+    """
+    envelope = _envelope.get()
+    if envelope is None:
+        raise RuntimeError("current_envelope() is only available inside a listener")
+    scheduled_at = envelope.get("scheduled_at")
+    return Envelope(
+        id=envelope["id"],
+        event=envelope["event"],
+        scheduled_at=datetime.fromisoformat(scheduled_at) if scheduled_at else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -175,7 +210,11 @@ class Registry:
         decode, handler = listener.event.decode, listener.handler
 
         def run(envelope: dict[str, Any]) -> None:
-            handler(decode(envelope["data"]))
+            token = _envelope.set(envelope)
+            try:
+                handler(decode(envelope["data"]))
+            finally:
+                _envelope.reset(token)
 
         run.__module__ = getattr(handler, "__module__", None) or __name__
         run.__name__ = run.__qualname__ = listener.name

@@ -76,6 +76,32 @@ def test_fan_out_ids_are_deterministic_per_envelope_and_listener(make_kit):
     assert not set(first) & set(other)
 
 
+def test_a_listener_knows_its_envelope_and_every_listener_sees_the_same_id(make_kit, start_worker):
+    seen: dict[str, gp.Envelope] = {}
+
+    def remember(name: str):
+        def handle(event: OrderPlaced) -> None:
+            seen[name] = gp.current_envelope()
+
+        return handle
+
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        registry.listen(OrderPlaced, remember("a"), name="a")
+        registry.listen(OrderPlaced, remember("b"), name="b", queue="other")
+
+    kit = make_kit(register)
+    envelope_id = kit.dispatch(ORDER)
+    start_worker(kit)
+    wait_for(lambda: len(seen) == 2)
+    expected = gp.Envelope(id=envelope_id, event="test.fanout.order_placed", scheduled_at=None)
+    assert seen == {"a": expected, "b": expected}
+
+
+def test_current_envelope_outside_a_listener_says_so():
+    with pytest.raises(RuntimeError, match="only available inside a listener"):
+        gp.current_envelope()
+
+
 def test_a_failing_listener_is_retried_alone(make_kit, start_worker):
     calls: Counter[str] = Counter()
     lock = threading.Lock()

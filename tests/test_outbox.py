@@ -119,6 +119,7 @@ def test_events_committed_out_of_order_are_all_delivered(outbox_kit, engine, rdb
 def test_end_to_end_through_a_worker_and_a_listener_that_dispatches(make_kit, engine, start_worker):
     paid: list[Paid] = []
     thanked: list[Thanked] = []
+    envelopes: list[gp.Envelope] = []
 
     def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
         def on_paid(event: Paid) -> None:
@@ -126,8 +127,12 @@ def test_end_to_end_through_a_worker_and_a_listener_that_dispatches(make_kit, en
             with engine.begin() as conn:  # the listener's own transaction
                 gp.dispatch(conn, Thanked(event.invoice))
 
+        def collect(event: Thanked) -> None:
+            envelopes.append(gp.current_envelope())
+            thanked.append(event)
+
         registry.listen(Paid, on_paid)
-        registry.listen(Thanked, thanked.append, name="collect", queue="other")
+        registry.listen(Thanked, collect, queue="other")
 
     kit = make_kit(register, engine=engine)
     start_worker(kit)
@@ -139,6 +144,8 @@ def test_end_to_end_through_a_worker_and_a_listener_that_dispatches(make_kit, en
     kit.dispatch(Thanked(4))
     wait_for(lambda: thanked == [Thanked(3), Thanked(4)])
     assert all(row.published_at is not None for row in _rows(engine))
+    # A relayed event's envelope id is its outbox row's id.
+    assert {e.id for e in envelopes} == {str(row.id) for row in _rows(engine) if row.event == "test.outbox.thanked"}
 
 
 def test_a_poison_row_is_set_aside_without_holding_back_the_rest(outbox_kit, engine, rdb, namespace, caplog):

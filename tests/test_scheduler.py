@@ -124,6 +124,24 @@ def test_a_scheduled_event_fans_out_and_a_retried_firing_runs_no_listener_twice(
     assert runs["a"] == runs["b"] == fired  # one run per listener per firing, retry included
 
 
+def test_a_scheduled_event_listener_knows_the_tick_it_was_fired_for(runner_kit, start_worker):
+    seen: list[gp.Envelope] = []
+
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        registry.listen(Tock, lambda event: seen.append(gp.current_envelope()), name="a")
+        schedule.every(timedelta(seconds=1), Tock())
+
+    kit = runner_kit(register)
+    start_worker(kit)
+    wait_for(lambda: len(seen) >= 2, timeout=10)
+    kit.scheduler.stop()
+    first = seen[0]
+    assert first.event == "test.scheduler.tick"
+    assert first.scheduled_at is not None and first.scheduled_at.microsecond == 0
+    assert first.id == tick_message_id("test.scheduler.tick", first.scheduled_at)
+    assert len({e.id for e in seen}) == len(seen)
+
+
 @pytest.mark.parametrize(("policy", "expected"), [("none", 0), ("latest", 1), ("all", 11)])
 def test_a_new_leader_catches_up_missed_ticks_by_policy(policy, expected, runner_kit, rdb, namespace):
     kit = runner_kit(
