@@ -38,7 +38,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -120,14 +120,14 @@ class Soak:
     def _run(self) -> dict[str, Any]:
         import sqlalchemy as sa
 
-        from benchmarks import soak_worker
+        from benchmarks import soak_tables
         from examples.shop.db import metadata
 
         self.namespace = f"soak-{uuid.uuid4().hex[:6]}"
         db_url = self.postgres.url
         self.engine = sa.create_engine(db_url, pool_pre_ping=True)
         metadata.create_all(self.engine)
-        soak_worker.metadata.create_all(self.engine)
+        soak_tables.metadata.create_all(self.engine)
         env = {**os.environ, "REDIS_URL": self.redis.url, "DB_URL": db_url, "VALKEY_NAMESPACE": self.namespace,
                "SCHEDULER_LEASE_TTL": f"{LEASE_TTL_S}s", "SCHEDULER_CATCHUP": "all", "WORKER_MIN_BACKOFF": "200ms",
                "WORKER_MAX_BACKOFF": "2s", "WORKER_SHUTDOWN_TIMEOUT": "10s", "OUTBOX_MAX_ATTEMPTS": "3",
@@ -156,6 +156,7 @@ class Soak:
             time.sleep(0.2)
         self.stop_load.set()
         load.join()
+        self.load_stopped_at = datetime.now(UTC)
         rss_end = self._rss()
         self._settle()
         result = self._ledger()
@@ -280,7 +281,7 @@ class Soak:
     def _ledger(self) -> dict[str, Any]:
         import sqlalchemy as sa
 
-        from benchmarks.soak_worker import audit, ticks
+        from benchmarks.soak_tables import audit, ticks
         from examples.shop.db import sales, sent_emails
 
         committed = set(self.committed)
@@ -292,20 +293,21 @@ class Soak:
                 )
             }
             sold = set(conn.execute(sa.select(sales.c.order_id)).scalars())
-            audited = dict(conn.execute(sa.select(audit.c.order_id, audit.c.runs)).tuples().all())
-            tick_runs = dict(conn.execute(sa.select(ticks.c.tick, ticks.c.runs)).tuples().all())
+            audit_runs = conn.execute(sa.select(audit.c.order_id, audit.c.runs)).tuples().all()
+            tick_runs: dict[str, dict[datetime, int]] = {}
+            for entry, tick, runs in conn.execute(sa.select(ticks.c.entry, ticks.c.tick, ticks.c.runs)):
+                tick_runs.setdefault(entry, {})[tick] = runs
             set_aside = conn.execute(
                 sa.text("SELECT count(*) FROM outbox_events WHERE failed_at IS NOT NULL")
             ).scalar_one()
-        lost = len(committed - mailed) + len(committed - sold) + len(committed - set(audited))
-        duplicates = sum(runs - 1 for runs in audited.values() if runs > 1)
-        missed = 0
-        if tick_runs:
-            first, last = min(tick_runs), max(tick_runs)
-            expected = int((last - first) / timedelta(seconds=1)) + 1
-            missed = expected - len(tick_runs)
+        audited = {order_id for order_id, _ in audit_runs}
+        lost = len(committed - mailed) + len(committed - sold) + len(committed - audited)
+        # One envelope per order, so a second row for an order would be a duplicate too.
+        duplicates = sum(runs - 1 for _, runs in audit_runs) + len(audit_runs) - len(audited)
+        missed = {entry: self._ticks_missed(runs) for entry, runs in tick_runs.items()}
+        missed.update({entry: -1 for entry in ("soak.tick", "soak.beat") if entry not in tick_runs})
         pending, messages = self._counts()
-        lost_orders = sorted(committed - (mailed & sold & set(audited)))
+        lost_orders = sorted(committed - (mailed & sold & audited))
         diagnosis = self._diagnose(lost_orders[:5]) if lost_orders else []
         import redis
 
@@ -339,14 +341,15 @@ class Soak:
             "lost_by_effect": {
                 "mail": len(committed - mailed),
                 "sale": len(committed - sold),
-                "audit": len(committed - set(audited)),
+                "audit": len(committed - audited),
             },
             "stuck_by_queue": stuck,
             "lost_orders": diagnosis,
             "duplicate_effects": duplicates,
-            "ticks": len(tick_runs),
-            "ticks_missed": missed,
-            "ticks_duplicated": sum(1 for runs in tick_runs.values() if runs > 1),
+            "ticks": {entry: len(runs) for entry, runs in tick_runs.items()},
+            "ticks_missed": sum(abs(n) for n in missed.values()),
+            "ticks_missed_by_entry": missed,
+            "ticks_duplicated": sum(1 for runs in tick_runs.values() for n in runs.values() if n > 1),
             "stuck_messages": messages,
             "dead_letters": dead_letters,
             "outbox_pending": pending,
@@ -354,6 +357,15 @@ class Soak:
             "set_aside": int(set_aside),
             "garbage_messages": self.garbage,
         }
+
+    def _ticks_missed(self, runs: dict[datetime, int]) -> int:
+        """Seconds with no run between an entry's first tick and the end of the load."""
+        first = min(runs)
+        # The schedule runs on while the system settles, so a tick before the load
+        # stopped that never ran is missing even if it is the last one.
+        last = max(max(runs), self.load_stopped_at.replace(microsecond=0) - timedelta(seconds=5))
+        expected = int((last - first) / timedelta(seconds=1)) + 1
+        return expected - sum(1 for tick in runs if tick <= last)
 
     def _diagnose(self, order_ids: list[int]) -> list[dict[str, Any]]:
         """What became of the events of lost orders: their outbox rows and their messages' traces in Redis."""
@@ -363,11 +375,11 @@ class Soak:
         from dramatiq_gp.outbox.table import OUTBOX_EVENTS
         from dramatiq_gp.registry import fan_out_id
 
-        client = redis.Redis.from_url(self.redis.url, decode_responses=True)
+        client = redis.Redis.from_url(self.redis.url)
         dead = {}
         for key in client.scan_iter(f"{self.namespace}:*.XQ.msgs"):
-            for value in client.hvals(key):
-                dead[value[:300]] = key
+            for value in client.hvals(key):  # bytes: the garbage pushed in is not UTF-8
+                dead[value[:300].decode(errors="replace")] = key.decode()
         found = []
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(OUTBOX_EVENTS)).mappings().all()
@@ -382,11 +394,15 @@ class Soak:
                     name: fan_out_id(event_id, f"listener:shop.order_placed:{name}")
                     for name in ("send_confirmation", "record_sale", "audit")
                 }
-                entry["done_keys"] = {k: client.get(f"{self.namespace}:gp:done:{v}") for k, v in ids.items()}
+                entry["done_keys"] = {k: _text(client.get(f"{self.namespace}:gp:done:{v}")) for k, v in ids.items()}
                 entry["dead_letters"] = [key for value, key in dead.items() if event_id in value]
             found.append(entry)
         client.close()
         return found
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode() if value is not None else None
 
 
 def main(argv: list[str]) -> int:

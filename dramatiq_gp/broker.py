@@ -3,9 +3,12 @@
 * :meth:`Broker.enqueue_many` sends a batch in one round trip (Dramatiq has no
   batch API), all or nothing, every message encoded before any is sent.
 * Settling a message (ack, nack, requeue) also writes, in the same Lua call, what
-  the kit has to record with it: the idempotency outcome and, for a deferred
-  message, its delayed copy. So "acked" always implies "recorded", and a deferral
-  can never lose the message.
+  the kit has to record with it: the idempotency outcome and, for a retried or
+  deferred message, its delayed copy (:meth:`Broker.redeliver_later`). So "acked"
+  always implies "recorded", and a retry or a deferral can never lose the message.
+* Each consumer runs Dramatiq's queue maintenance (returning the unacknowledged
+  messages of dead workers) at least every quarter heartbeat timeout, not only by
+  chance, so a ``kill -9``'d worker's messages come back within about a minute.
 * Each fetched batch is decoded at once and handed to :attr:`Broker.on_fetch`,
   so the idempotency claims of a batch take one round trip.
 * A message for a task type no actor here handles is held back for a grace
@@ -97,7 +100,8 @@ class Settlement:
     #: ``"done"`` marks the id completed, ``"release"`` frees the claim.
     outcome: str = ""
     retention_ms: int = 0
-    #: A copy to deliver again after ``delay_ms`` (a deferral).
+    #: A copy for the delay queue, already announced (``before_enqueue``), due after
+    #: ``delay_ms``: a retry or a deferral (see :meth:`Broker.redeliver_later`).
     redeliver: Message[Any] | None = None
     delay_ms: int = 0
 
@@ -108,6 +112,13 @@ def settlement(message: MessageProxy) -> Settlement | None:
 
 def attach_settlement(message: MessageProxy, value: Settlement) -> None:
     setattr(message, SETTLEMENT_ATTR, value)
+
+
+def kit_broker(broker: object) -> Broker:
+    """``broker`` as the kit's :class:`Broker`, which the kit's middleware needs."""
+    if not isinstance(broker, Broker):
+        raise TypeError(f"{type(broker).__name__} is not a dramatiq_gp.Broker, which the kit's middleware needs")
+    return broker
 
 
 class Broker(RedisBroker):
@@ -182,18 +193,43 @@ class Broker(RedisBroker):
         if self.on_send_failed is not None:
             self.on_send_failed(message, error)
 
+    def fetch(self, queue_name: str, prefetch: int, *, maintain: bool) -> list[bytes | None]:
+        """Dramatiq's fetch; with ``maintain``, the queue's maintenance runs with it for sure.
+
+        Dramatiq runs maintenance on 0.1% of commands, so with few consumers a dead
+        worker's messages could wait many minutes past the heartbeat timeout.
+        """
+        maintenance = 1 if maintain else self._should_do_maintenance("fetch")
+        unpack = self._max_unpack_size()  # type: ignore[no-untyped-call]
+        args = ["fetch", current_millis(), queue_name, self.broker_id, self.heartbeat_timeout,
+                self.dead_message_ttl, maintenance, unpack, prefetch]  # fmt: skip
+        return list(self.scripts["dispatch"](keys=[self.namespace], args=args))
+
+    def redeliver_later(self, message: MessageProxy, delay_ms: int, **options: Any) -> None:
+        """Send a copy of ``message`` (with ``options``) to the delay queue when it is settled.
+
+        The copy, due after ``delay_ms``, is written in the same Lua call as the
+        ack: both happen or neither, so Redis going away in between cannot leave
+        the message acked and its copy unsent. ``before_enqueue`` is emitted now,
+        so a retry's send span is a child of the failed attempt's.
+        """
+        copy = message.copy(
+            queue_name=dq_name(q_name(message.queue_name)),
+            options={**options, "redis_message_id": str(uuid4()), "eta": current_millis() + delay_ms},
+        )
+        self.emit_before("enqueue", copy, delay_ms)
+        plan = settlement(message)
+        if plan is None:
+            plan = Settlement()
+            attach_settlement(message, plan)
+        plan.redeliver, plan.delay_ms = copy, delay_ms
+
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`Settlement`."""
         plan = settlement(message) or Settlement()
         ns, queue = self.namespace, queue_name
         canonical, delayed = q_name(queue), dq_name(q_name(queue))
-        copy: Message[Any] | None = None
-        if plan.redeliver is not None:
-            copy = plan.redeliver.copy(
-                queue_name=delayed,
-                options={"redis_message_id": str(uuid4()), "eta": current_millis() + plan.delay_ms},
-            )
-            self.emit_before("enqueue", copy, plan.delay_ms)
+        copy = plan.redeliver
         keys = [
             f"{ns}:__heartbeats__",
             f"{ns}:__acks__.{self.broker_id}.{queue}",
@@ -250,10 +286,8 @@ class Broker(RedisBroker):
                 "a newer worker handles them (WORKER_UNKNOWN_TASK_GRACE)",
                 message.actor_name, self.unknown_task_grace_ms // 1000, level=logging.INFO,
             )  # fmt: skip
-            attach_settlement(message, Settlement(
-                redeliver=message.copy(options={"gp_unknown_since": since}),
-                delay_ms=min(UNKNOWN_TASK_RETRY_MS, self.unknown_task_grace_ms - waited),
-            ))  # fmt: skip
+            delay_ms = min(UNKNOWN_TASK_RETRY_MS, self.unknown_task_grace_ms - waited)
+            self.redeliver_later(message, delay_ms, gp_unknown_since=since)
         else:
             self._warn_once(
                 "skipped", message.actor_name,
@@ -278,6 +312,8 @@ class _Consumer(_RedisConsumer):
         super().__init__(*args)  # type: ignore[no-untyped-call]
         self._ready: deque[MessageProxy] = deque()
         self._freed = threading.Event()
+        self._maintain_every_s = self.broker.heartbeat_timeout / 4000
+        self._maintain_at = 0.0  # the first fetch maintains: a crashed predecessor's messages come back now
         if self.queue_name.endswith(".DQ"):
             self._return_dropped_delayed()
 
@@ -312,7 +348,10 @@ class _Consumer(_RedisConsumer):
                     # so a busy queue's buffer does not run dry.
                     self._freed.wait(self.timeout / 1000)
                     return None
-                batch = self.broker.do_fetch(self.queue_name, room)
+                maintain = time.monotonic() >= self._maintain_at
+                if maintain:
+                    self._maintain_at = time.monotonic() + self._maintain_every_s
+                batch = self.broker.fetch(self.queue_name, room, maintain=maintain)
                 if self.broker.on_fetched is not None:
                     self.broker.on_fetched(self.queue_name, len(batch))
                 if not batch:

@@ -25,13 +25,13 @@ from uuid import uuid4
 import dramatiq
 import redis
 from dramatiq import Middleware
-from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, Retries, ShutdownNotifications, TimeLimit
+from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
 from opentelemetry import trace
 
 from .broker import Broker
 from .errors import BrokerUnreachable, GPError
 from .lifecycle import Closer, Closers, Lifecycle, Producer
-from .middleware import IdempotentExecution, Metrics, PanicRecovery, QueueWeights, TaskLog, Tracing
+from .middleware import IdempotentExecution, Metrics, PanicRecovery, QueueWeights, Retries, TaskLog, Tracing
 from .registry import Registry, default_registry
 from .scheduler import Runner, Schedule
 from .scheduler.schedule import Entry

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import dramatiq
 
+import dramatiq_gp as gp
 from helpers import wait_for
 from servers import OwnRedis
 
@@ -31,3 +33,50 @@ def test_a_retry_that_comes_due_while_redis_is_down_still_runs(tmp_path, make_ki
         wait_for(lambda: len(attempts) == 2, timeout=30)
     finally:
         server.stop()
+
+
+def test_a_retry_is_not_lost_when_redis_goes_away_as_the_attempt_fails(tmp_path, make_kit, start_worker):
+    # Dramatiq sends a retry from after_process_message; when that send failed it was
+    # logged and swallowed, and the failed attempt was acked once Redis came back.
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    try:
+        kit = make_kit(env={"REDIS_URL": server.url, "WORKER_MIN_BACKOFF": "100ms", "WORKER_MAX_BACKOFF": "100ms"})
+        attempts: list[int] = []
+
+        @dramatiq.actor(broker=kit.broker, actor_name="fails_as_redis_stops", max_retries=3)
+        def fails_as_redis_stops() -> None:
+            attempts.append(len(attempts) + 1)
+            if len(attempts) == 1:
+                server.stop()  # the retry is sent and the attempt acked while Redis is away
+                threading.Timer(1.0, server.start).start()
+                raise ConnectionError("the first attempt fails")
+
+        fails_as_redis_stops.send()
+        start_worker(kit)
+        # Dramatiq retries the ack every 5 s until Redis is back; the retry goes with it.
+        wait_for(lambda: len(attempts) == 2, timeout=30)
+    finally:
+        server.stop()
+
+
+def test_a_dead_workers_unacked_messages_come_back_soon_after_its_heartbeat_times_out(
+    make_kit, start_worker, namespace
+):
+    # Dramatiq returns them on 0.1% of commands; the kit's consumers make sure of it.
+    kit = make_kit(broker_options={"namespace": namespace, "heartbeat_timeout": 1000})
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=kit.broker, actor_name="orphaned")
+    def orphaned(n: int) -> None:
+        ran.append(n)
+
+    for n in range(5):
+        orphaned.send(n)
+    # Another worker fetches them, then dies without a word.
+    dead = gp.Broker(client=kit.broker.client, namespace=kit.broker.namespace, middleware=[])
+    assert len(dead.do_fetch("default", 10)) == 5
+    started = time.monotonic()
+    start_worker(kit)
+    wait_for(lambda: sorted(ran) == [0, 1, 2, 3, 4], timeout=10)
+    assert time.monotonic() - started < 5

@@ -8,6 +8,7 @@ from .idempotency import ClaimUnavailable, IdempotentExecution
 from .metrics import Metrics
 from .panic import PanicRecovery
 from .queue_weights import QueueWeights, WeightedQueue
+from .retries import Retries
 from .task_log import TaskLog
 from .tracing import Tracing
 
@@ -17,6 +18,7 @@ __all__ = [
     "Metrics",
     "PanicRecovery",
     "QueueWeights",
+    "Retries",
     "TaskLog",
     "Tracing",
     "WeightedQueue",

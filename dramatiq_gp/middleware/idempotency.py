@@ -34,7 +34,7 @@ from dramatiq import Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
-from ..broker import Settlement, attach_settlement, settlement
+from ..broker import Settlement, attach_settlement, kit_broker, settlement
 
 _CLAIM = """
 -- For each key: claim it (state 1), or report it done (2) or held by a running copy (3, with its TTL).
@@ -159,8 +159,7 @@ class IdempotentExecution(Middleware):
                 "task deferred: another copy is running task_type=%s task_id=%s retry_in_ms=%d",
                 message.actor_name, message.message_id, delay_ms,
             )  # fmt: skip
-            redeliver = message.copy(options={"gp_deferrals": deferrals + 1})
-            attach_settlement(message, Settlement(redeliver=redeliver, delay_ms=delay_ms))
+            kit_broker(broker).redeliver_later(message, delay_ms, gp_deferrals=deferrals + 1)
         raise SkipMessage()
 
     def after_process_message(

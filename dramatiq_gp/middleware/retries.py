@@ -1,0 +1,50 @@
+"""Retries whose retry is sent together with the ack of the failed attempt.
+
+Dramatiq's :class:`dramatiq.middleware.Retries` enqueues the retry from
+``after_process_message``. When Redis is unreachable at that moment the enqueue
+raises, the broker logs and swallows it as it does any hook's error, and the
+worker then acks the failed attempt as soon as Redis is back: the message is
+gone and its retry never existed. (The soak lost whole orders that way, an
+outbox event's fan-out failing as Redis restarted.)
+
+Here the retry is handed to the kit's broker instead, which writes it in the
+same Lua call as the ack (:meth:`dramatiq_gp.broker.Broker.redeliver_later`):
+until Redis takes the ack, Dramatiq keeps retrying it, and the retry goes with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dramatiq
+from dramatiq.broker import Broker, MessageProxy
+
+from ..broker import kit_broker
+
+
+class Retries(dramatiq.middleware.Retries):
+    """Dramatiq's retry policy (``max_retries``, backoff, ``retry_when``, ``throws``,
+    ``on_retry_exhausted``), with each retry sent atomically with the ack."""
+
+    def after_process_message(
+        self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        if exception is None:
+            return
+        super().after_process_message(  # type: ignore[no-untyped-call]
+            _SendWithAck(kit_broker(broker), message), message, result=result, exception=exception
+        )
+
+
+class _SendWithAck:
+    """The broker as Dramatiq's policy sees it: its ``enqueue`` of the retry joins the ack."""
+
+    def __init__(self, broker: Any, message: MessageProxy) -> None:
+        self._broker, self._message = broker, message
+
+    def enqueue(self, message: Any, *, delay: int | None = None) -> Any:
+        self._broker.redeliver_later(self._message, delay or 0)
+        return message
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._broker, name)
