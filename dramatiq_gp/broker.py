@@ -59,7 +59,8 @@ if redis.call("srem", KEYS[2], id) > 0 then
             redis.call("hdel", KEYS[3], id)
         end
     end
-    if ARGV[8] ~= "" then
+    -- A message put back as it was (requeue) runs again itself: no copy.
+    if ARGV[8] ~= "" and ARGV[1] ~= "requeue" then
         redis.call("hset", KEYS[9], ARGV[8], ARGV[9])
         redis.call("rpush", KEYS[8], ARGV[8])
     end
@@ -252,7 +253,9 @@ class Broker(RedisBroker):
             if isinstance(exc, redis.ConnectionError):
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
             raise
-        if copy is not None:
+        if copy is not None and command == "requeue":
+            self.send_failed(copy, None)
+        elif copy is not None:
             self.emit_after("enqueue", copy, plan.delay_ms)
 
     def set_aside_undecodable(self, queue_name: str, data: bytes) -> int:

@@ -6,6 +6,7 @@ import threading
 import time
 
 import dramatiq
+import pytest
 
 import dramatiq_gp as gp
 from helpers import wait_for
@@ -80,3 +81,21 @@ def test_a_dead_workers_unacked_messages_come_back_soon_after_its_heartbeat_time
     start_worker(kit)
     wait_for(lambda: sorted(ran) == [0, 1, 2, 3, 4], timeout=10)
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(("command", "ready", "delayed"), [("ack", 0, 1), ("requeue", 1, 0)])
+def test_a_retry_goes_out_with_the_ack_and_not_with_a_put_back(command, ready, delayed, make_kit, rdb, namespace):
+    # A put-back (the drain deadline) races the end of the attempt: the message runs again, not also its retry.
+    kit = make_kit()
+
+    @dramatiq.actor(broker=kit.broker, actor_name="settled")
+    def settled() -> None: ...
+
+    settled.send()
+    consumer = kit.broker.consume("default", prefetch=1, timeout=100)
+    message = next(m for m in consumer if m is not None)
+    kit.broker.redeliver_later(message, 60_000)
+    kit.broker.settle("default", message, command)
+    consumer.close()
+    assert (rdb.llen(f"{namespace}:default"), rdb.hlen(f"{namespace}:default.DQ.msgs")) == (ready, delayed)
+    assert rdb.llen(f"{namespace}:default.DQ") == delayed
