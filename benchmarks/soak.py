@@ -3,19 +3,20 @@
 Starts its own Redis and PostgreSQL (so it can restart them) and three replicas of
 ``dramatiq benchmarks.soak_worker`` (the shop plus score-keeping), each with two
 worker processes. A load thread places orders in transactions at a steady rate;
-the schedule fires ``@every 1s``. Meanwhile faults are injected in turn:
+the schedule fires a job and an event ``@every 1s``. Meanwhile faults are injected in turn:
 ``kill -9`` of a random replica and of the scheduler leader's replica, a rolling
 SIGTERM restart of every replica, a Redis restart, a PostgreSQL restart, the
 leader's replica paused with SIGSTOP past the lease TTL, a poison outbox event,
-and garbage pushed into a queue; a listener (``audit``) fails half its attempts
-throughout.
+and garbage pushed into a queue (bytes, JSON of the wrong shape, 100 kB, a task
+type no worker knows); a listener (``audit``) fails half its attempts throughout.
 
 When the time is up the load stops, the system settles, and the ledger is read:
 
 * ``lost``: committed orders missing any of their three effects (mail, sale, audit);
 * ``duplicate_effects``: effects applied more than once (the audit listener counts runs);
-* ``ticks_missed`` / ``ticks_duplicated``: seconds between the first and last tick
-  of ``soak.tick`` with no run, and ticks run more than once;
+* ``ticks_missed`` / ``ticks_duplicated``: seconds from the first tick of each
+  entry (the ``soak.tick`` job, the ``soak.beat`` event) to the end of the load
+  with no run, and ticks run more than once;
 * ``stuck_messages``: messages still ready, in flight or delayed after settling, and
   ``dead_letters``: messages dead-lettered other than the garbage pushed in;
 * ``set_aside`` against ``poison_events``; ``rss_mb_start`` (minute 2) and
@@ -100,6 +101,7 @@ class Soak:
     committed: list[int] = field(default_factory=list)
     poison: int = 0
     garbage: int = 0
+    unknown: int = 0
     rss_start: float = 0.0
     stop_load: threading.Event = field(default_factory=threading.Event)
 
@@ -130,7 +132,8 @@ class Soak:
         soak_tables.metadata.create_all(self.engine)
         env = {**os.environ, "REDIS_URL": self.redis.url, "DB_URL": db_url, "VALKEY_NAMESPACE": self.namespace,
                "SCHEDULER_LEASE_TTL": f"{LEASE_TTL_S}s", "SCHEDULER_CATCHUP": "all", "WORKER_MIN_BACKOFF": "200ms",
-               "WORKER_MAX_BACKOFF": "2s", "WORKER_SHUTDOWN_TIMEOUT": "10s", "OUTBOX_MAX_ATTEMPTS": "3",
+               "WORKER_MAX_BACKOFF": "2s", "WORKER_SHUTDOWN_TIMEOUT": "10s", "WORKER_UNKNOWN_TASK_GRACE": "10s",
+               "OUTBOX_MAX_ATTEMPTS": "3",
                "LOG_LEVEL": "WARN", "PYTHONPATH": str(ROOT)}  # fmt: skip
         self.replicas = [Replica(i, env, self.work / f"replica-{i}.log") for i in range(REPLICAS)]
         for replica in self.replicas:
@@ -219,15 +222,13 @@ class Soak:
         elif kind == "postgres_restart":
             self.postgres.restart(down_for=2)
         elif kind == "poison_event":
-            import sqlalchemy as sa
-
             from dramatiq_gp.outbox.table import OUTBOX_EVENTS
 
             with self.engine.begin() as conn:
                 conn.execute(OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event="soak.no_such_event", payload={}))
             self.poison += 1
-            del sa
         elif kind == "garbage_message":
+            import dramatiq
             import redis
 
             client = redis.Redis.from_url(self.redis.url)
@@ -236,6 +237,13 @@ class Soak:
                 client.hset(f"{self.namespace}:default.msgs", key, data)
                 client.rpush(f"{self.namespace}:default", key)
                 self.garbage += 1
+            # A well-formed message no worker has an actor for: held for the grace period, then skipped.
+            key = f"unknown-{uuid.uuid4().hex}"
+            unknown = dramatiq.Message(queue_name="default", actor_name="soak.no_such_actor", args=(), kwargs={},
+                                       options={"redis_message_id": key})  # fmt: skip
+            client.hset(f"{self.namespace}:default.msgs", key, unknown.encode())
+            client.rpush(f"{self.namespace}:default", key)
+            self.unknown += 1
             client.close()
 
     def _rss(self) -> float:
@@ -356,6 +364,7 @@ class Soak:
             "poison_events": self.poison,
             "set_aside": int(set_aside),
             "garbage_messages": self.garbage,
+            "unknown_task_messages": self.unknown,
         }
 
     def _ticks_missed(self, runs: dict[datetime, int]) -> int:
