@@ -301,7 +301,7 @@ class Soak:
                 )
             }
             sold = set(conn.execute(sa.select(sales.c.order_id)).scalars())
-            audit_runs = conn.execute(sa.select(audit.c.order_id, audit.c.runs)).tuples().all()
+            audit_runs = conn.execute(sa.select(audit.c.order_id, audit.c.runs)).all()
             tick_runs: dict[str, dict[datetime, int]] = {}
             for entry, tick, runs in conn.execute(sa.select(ticks.c.entry, ticks.c.tick, ticks.c.runs)):
                 tick_runs.setdefault(entry, {})[tick] = runs
