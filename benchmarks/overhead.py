@@ -14,7 +14,10 @@ Redis), run alternately for several rounds; every variant logs at INFO to a file
 
 Messages are enqueued before the worker starts; the clock runs from worker start
 until the last message is acked. Reported: the median rate per variant, the
-ratios to bare, and each variant's resident memory after the run.
+ratios to bare, the worker process's CPU time per message (the kit can outrun
+bare Dramatiq while spending more CPU: its consumer refetches as soon as a
+worker thread frees a slot, where Dramatiq's waits out a backoff), and each
+variant's resident memory after the run.
 """
 
 from __future__ import annotations
@@ -135,17 +138,17 @@ def run_variant(variant: str, messages: int, threads: int, redis_url: str) -> di
     watcher = redis.Redis.from_url(redis_url)
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, worker_threads=threads)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     worker.start()
     while watcher.hlen(f"{namespace}:{QUEUE}.msgs"):
         time.sleep(0.005)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     rss = _rss_mb()
     worker.stop()
     for key in watcher.scan_iter(f"{namespace}:*", count=1000):
         watcher.delete(key)
     os.unlink(log_path)
-    return {"msgs_per_s": messages / elapsed, "rss_mb": rss}
+    return {"msgs_per_s": messages / elapsed, "cpu_us_per_msg": cpu / messages * 1e6, "rss_mb": rss}
 
 
 def main(argv: list[str]) -> int:
@@ -172,8 +175,8 @@ def main(argv: list[str]) -> int:
             )  # fmt: skip
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results[variant].append(result)
-            rate, rss = result["msgs_per_s"], result["rss_mb"]
-            print(f"round {round_} {variant:>8}: {rate:8.0f} msg/s, {rss:6.1f} MB RSS", flush=True)
+            rate, cpu, rss = result["msgs_per_s"], result["cpu_us_per_msg"], result["rss_mb"]
+            print(f"round {round_} {variant:>8}: {rate:8.0f} msg/s, {cpu:5.0f} µs CPU/msg, {rss:6.1f} MB", flush=True)
 
     def median(variant: str, key: str) -> float:
         return statistics.median(r[key] for r in results[variant])
@@ -186,6 +189,7 @@ def main(argv: list[str]) -> int:
         "listener_ratio": round(median("listener", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
         "kit_traced_msgs_per_s": round(median("traced", "msgs_per_s")),
         "traced_ratio": round(median("traced", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
+        **{f"{v}_cpu_us_per_msg": round(median(v, "cpu_us_per_msg")) for v in VARIANTS},
         "bare_rss_mb": round(median("bare", "rss_mb"), 1),
         "kit_rss_mb": round(median("kit", "rss_mb"), 1),
         "messages": args.messages,
