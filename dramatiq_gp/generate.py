@@ -35,6 +35,12 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def new_file(self, path: Path, text: str) -> None:
+        if path.is_dir():
+            raise GenerateError(f"{path.relative_to(self.root)} is a directory where a file goes; move it away")
+        for parent in path.parents:
+            if parent.is_file():
+                shown = parent.relative_to(self.root) if parent.is_relative_to(self.root) else parent
+                raise GenerateError(f"{shown} is a file where a directory goes; move it away")
         if path.exists():
             if path.read_text() != text:
                 self.notes.append(f"kept {path.relative_to(self.root)} (it is yours now)")
@@ -100,7 +106,7 @@ def _to_snake(camel: str) -> str:
 def project_package(root: Path) -> str:
     """The package name of a project made by ``new project`` (read from its pyproject)."""
     pyproject = root / "pyproject.toml"
-    if not pyproject.exists():
+    if not pyproject.is_file():
         raise GenerateError(f"{root} is not a dramatiq-gp project (no pyproject.toml); run `dramatiq-gp new project`")
     match = re.search(r"^# gpsystem:package (\w+)$", pyproject.read_text(), re.M)
     if not match:
@@ -109,29 +115,45 @@ def project_package(root: Path) -> str:
 
 
 def new_project(root: Path, name: str | None = None, *, worker: bool = True) -> Plan:
-    if root.exists() and any(root.iterdir()):
-        raise GenerateError(f"{root} exists and is not empty; give a new directory")
     package = _snake("project name", name or re.sub(r"[^a-z0-9_]", "_", root.name.lower()).strip("_") or "app")
+    if root.exists() and any(root.iterdir()):
+        # Only the same project may be there already: then this is a re-run, and the usual rules keep what is yours.
+        try:
+            existing = project_package(root)
+        except GenerateError:
+            raise GenerateError(
+                f"{root} exists, is not empty and is not a dramatiq-gp project; give a new directory"
+            ) from None
+        if existing != package:
+            raise GenerateError(
+                f"{root} holds the project {existing!r}, not {package!r}; run with --name {existing} or give a new directory"
+            )
     plan = Plan(root)
-    files = _project_files(package)
-    for relative, text in files.items():
+    for relative, text in _project_files(package).items():
         plan.new_file(root / relative, text)
     if worker:
-        plan.new_file(root / package / "worker.py", _WORKER.format(package=package))
+        _plan_worker(plan, package)
     return plan
 
 
 def add_worker(root: Path) -> Plan:
     package = project_package(root)
     plan = Plan(root)
-    path = root / package / "worker.py"
-    if path.exists():
+    if (root / package / "worker.py").exists():
         plan.notes.append(f"{package}/worker.py exists already")
         return plan
-    plan.new_file(path, _WORKER.format(package=package))
-    for module in sorted(p.name for p in (root / package / "modules").iterdir() if (p / "register.py").exists()):
-        _register_module_in_worker(plan, package, module)
+    _plan_worker(plan, package)
     return plan
+
+
+def _plan_worker(plan: Plan, package: str) -> None:
+    path = plan.root / package / "worker.py"
+    plan.new_file(path, _WORKER.format(package=package))
+    modules = plan.root / package / "modules"
+    # A module made before the worker registered itself nowhere; a worker already there is yours, left as it is.
+    if path in plan.create and modules.is_dir():
+        for module in sorted(p.name for p in modules.iterdir() if (p / "register.py").exists()):
+            _register_module_in_worker(plan, package, module)
 
 
 def new_module(root: Path, module: str) -> Plan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,11 +146,78 @@ def test_a_missing_anchor_is_named_and_changes_nothing(project):
     assert tree(root) == before
 
 
-def test_new_project_refuses_a_directory_in_use(tmp_path):
-    (tmp_path / "taken").mkdir()
-    (tmp_path / "taken" / "file").write_text("x")
-    code, output = gp("new", "project", str(tmp_path / "taken"))
-    assert code == 1 and "not empty" in output
+def test_new_project_run_again_says_so_and_changes_nothing(tmp_path):
+    root = tmp_path / "shop"
+    assert gp("new", "project", str(root))[0] == 0
+    before = tree(root)
+    code, output = gp("new", "project", str(root))
+    assert (code, output) == (0, "nothing to do: it is all there already\n")
+    assert tree(root) == before
+
+
+def test_new_project_run_again_over_a_project_in_use_changes_nothing(project):
+    root, name = project
+    # Stubs filled in, modules added (the worker changed with them), files of the user's own beside.
+    stub = root / name / "modules" / "billing" / "jobs" / "heartbeat.py"
+    stub.write_text(stub.read_text().replace('"""\n\n    return', '"""\n        print("beat")\n\n    return'))
+    (root / "NOTES.md").write_text("mine\n")
+    before = tree(root)
+    code, output = gp("new", "project", str(root))
+    assert code == 0, output
+    assert output == f"kept {name}/worker.py (it is yours now)\n"
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "message"),
+    [
+        ({"notes.txt": "x"}, [], "is not empty and is not a dramatiq-gp project"),
+        ({"pyproject.toml": "[project]\nname = 'other'\n"}, [], "is not a dramatiq-gp project"),
+        ({"README.md": "# another project\n"}, [], "is not a dramatiq-gp project"),
+        (None, ["--name", "other"], "holds the project 'shop', not 'other'; run with --name shop"),
+        ("README.md", [], "README.md is a directory where a file goes"),
+        ("shop", [], "shop is a file where a directory goes"),
+    ],
+    ids=[
+        "unrelated-files",
+        "foreign-pyproject",
+        "foreign-readme",
+        "another-name",
+        "directory-for-file",
+        "file-for-directory",
+    ],
+)
+def test_new_project_refuses_a_directory_holding_something_else(tmp_path, make, args, message):
+    root = tmp_path / "shop"
+    if isinstance(make, dict):
+        root.mkdir()
+        for relative, text in make.items():
+            (root / relative).write_text(text)
+    else:
+        assert gp("new", "project", str(root))[0] == 0
+        if make is not None:
+            # Something of the user's where the generator would write: a directory for a file, a file for a directory.
+            target = root / make
+            if target.is_dir():
+                shutil.rmtree(target)
+                target.write_text("mine\n")
+            else:
+                target.unlink()
+                target.mkdir()
+    before = tree(root)
+    code, output = gp("new", "project", str(root), *args)
+    assert code == 1 and len(output.splitlines()) == 1 and message in output, output
+    assert tree(root) == before
+
+
+def test_new_project_run_again_without_no_worker_adds_a_worker_for_its_modules(tmp_path):
+    root = tmp_path / "shop"
+    assert gp("new", "project", str(root), "--no-worker")[0] == 0
+    assert gp("new", "module", "billing", "-C", str(root))[0] == 0
+    assert gp("new", "project", str(root), "--no-worker") == (0, "nothing to do: it is all there already\n")
+    code, output = gp("new", "project", str(root))
+    assert (code, output) == (0, "created shop/worker.py\n")
+    assert "register_billing(registry, schedule, deps)" in (root / "shop" / "worker.py").read_text()
 
 
 def test_add_worker_registers_the_modules_of_a_project_made_without_one(tmp_path):
