@@ -12,8 +12,13 @@
 * Each fetched batch is decoded at once and handed to :attr:`Broker.on_fetch`,
   so the idempotency claims of a batch take one round trip.
 * A message for a task type no actor here handles is held back for a grace
-  period (a newer worker may know it), then acked and skipped with one warning,
-  instead of Dramatiq's dead-lettering.
+  period (a newer worker may know it), then skipped with one warning: it goes to
+  the dead-letter set with the reason in its options, and is counted per task
+  type for ``dramatiq-gp status``. :meth:`Broker.join` does not wait for held
+  messages.
+* A fetched message that cannot be decoded, or is decodable but malformed (no
+  ``redis_message_id``, fields of the wrong type), goes to the dead-letter set
+  with one error line; the rest of its batch runs as usual.
 
 The Lua below mirrors the key layout of Dramatiq's ``dispatch.lua`` (2.x).
 """
@@ -26,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 from uuid import uuid4
 
@@ -34,7 +40,9 @@ from dramatiq import Message
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis, dq_name, q_name
-from dramatiq.errors import ConnectionClosed, DecodeError
+from dramatiq.errors import ConnectionClosed, DecodeError, QueueJoinTimeout
+
+from .durations import format_duration
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +95,40 @@ for _, id in ipairs(redis.call("smembers", KEYS[1])) do
 end
 return moved
 """
+
+_DEAD_LETTER = """
+-- KEYS: acks, msgs, xq, xq msgs, skipped counts
+-- ARGV: redis message id, data to keep, now, task type, counts ttl ms
+if redis.call("srem", KEYS[1], ARGV[1]) == 0 then
+    return 0
+end
+redis.call("hdel", KEYS[2], ARGV[1])
+redis.call("zadd", KEYS[3], ARGV[3], ARGV[1])
+redis.call("hset", KEYS[4], ARGV[1], ARGV[2])
+redis.call("hincrby", KEYS[5], ARGV[4], 1)
+redis.call("pexpire", KEYS[5], ARGV[5])
+return 1
+"""
+
+_UNSETTLED = """
+-- KEYS: a queue's msgs, its delay queue's msgs. Counts what is stored in either (ready,
+-- in flight or delayed) except the messages held for an unknown task type.
+local n = 0
+for _, key in ipairs(KEYS) do
+    for _, data in ipairs(redis.call("hvals", key)) do
+        local ok, message = pcall(cjson.decode, data)
+        local held = ok and type(message) == "table" and type(message.options) == "table"
+            and message.options.gp_unknown_since ~= nil
+        if not held then
+            n = n + 1
+        end
+    end
+end
+return n
+"""
+
+#: Option on a dead-lettered copy saying why it is there.
+DEAD_LETTER_REASON = "gp_dead_letter_reason"
 
 SETTLEMENT_ATTR = "_gp_settlement"
 
@@ -145,12 +187,37 @@ class Broker(RedisBroker):
         self.on_fetched: Callable[[str, int], None] | None = None
         self._settle = self.client.register_script(_SETTLE)
         self._set_aside = self.client.register_script(_SET_ASIDE)
+        self._dead_letter = self.client.register_script(_DEAD_LETTER)
+        self._unsettled = self.client.register_script(_UNSETTLED)
         self._warned_lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
 
     @property
     def consumer_class(self) -> type[_Consumer]:
         return _Consumer
+
+    @property
+    def skipped_key(self) -> str:
+        """The hash counting, per task type, the messages skipped for want of a handler."""
+        return f"{self.namespace}:gp:skipped"
+
+    def join(self, queue_name: str, *, interval: int = 100, timeout: int | None = None) -> None:
+        """Wait until ``queue_name`` and its delay queue hold nothing but held messages (tests only).
+
+        Like Dramatiq's, except that messages held for a task type no worker
+        handles yet (``WORKER_UNKNOWN_TASK_GRACE``, five minutes by default) do
+        not count: they are waiting for a deploy, not for this worker.
+
+        Raises:
+            QueueJoinTimeout: ``timeout`` ms passed first.
+        """
+        canonical = q_name(queue_name)
+        keys = [f"{self.namespace}:{canonical}.msgs", f"{self.namespace}:{dq_name(canonical)}.msgs"]
+        deadline = timeout and time.monotonic() + timeout / 1000
+        while self._unsettled(keys=keys):
+            if deadline and time.monotonic() >= deadline:
+                raise QueueJoinTimeout(queue_name)  # type: ignore[no-untyped-call]
+            time.sleep(interval / 1000)
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         try:
@@ -259,7 +326,7 @@ class Broker(RedisBroker):
             self.emit_after("enqueue", copy, plan.delay_ms)
 
     def set_aside_undecodable(self, queue_name: str, data: bytes) -> int:
-        """Dead-letter a fetched message that cannot be decoded (it never reaches a worker thread).
+        """Dead-letter a fetched message that cannot be decoded or is malformed (it never reaches a worker thread).
 
         Left unacknowledged, it would come back after every heartbeat timeout for
         ever; in Dramatiq's dead-letter set (``<queue>.XQ``) it is kept for
@@ -291,14 +358,34 @@ class Broker(RedisBroker):
             )  # fmt: skip
             delay_ms = min(UNKNOWN_TASK_RETRY_MS, self.unknown_task_grace_ms - waited)
             self.redeliver_later(message, delay_ms, gp_unknown_since=since)
-        else:
-            self._warn_once(
-                "skipped", message.actor_name,
-                "task skipped: no handler registered for task type %r (task_id=%s); "
-                "further messages of this type are skipped too",
-                message.actor_name, message.message_id,
-            )  # fmt: skip
-        consumer.ack(message)
+            consumer.ack(message)
+            return
+        self._warn_once(
+            "skipped", message.actor_name,
+            "task skipped: no handler registered for task type %r (task_id=%s); it and further messages "
+            "of this type go to the dead-letter set of queue %r",
+            message.actor_name, message.message_id, q_name(message.queue_name),
+        )  # fmt: skip
+        grace = format_duration(timedelta(milliseconds=self.unknown_task_grace_ms))
+        reason = f"no handler for task type {message.actor_name!r} within {grace} (WORKER_UNKNOWN_TASK_GRACE)"
+        consumer.dead_letter(message, reason)
+
+    def dead_letter(self, queue_name: str, message: MessageProxy, reason: str) -> None:
+        """Move a fetched ``message`` to its queue's dead-letter set, ``reason`` in its options.
+
+        It is counted per task type in :attr:`skipped_key` for ``dramatiq-gp
+        status``; the count expires with the dead letters (``dead_message_ttl``).
+        """
+        ns, canonical = self.namespace, q_name(queue_name)
+        keys = [f"{ns}:__acks__.{self.broker_id}.{queue_name}", f"{ns}:{queue_name}.msgs",
+                f"{ns}:{canonical}.XQ", f"{ns}:{canonical}.XQ.msgs", self.skipped_key]  # fmt: skip
+        kept = message.copy(options={DEAD_LETTER_REASON: reason})
+        args = [message.options["redis_message_id"], kept.encode(), current_millis(), message.actor_name,
+                self.dead_message_ttl]  # fmt: skip
+        try:
+            self._dead_letter(keys=keys, args=args)
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
 
 class _Consumer(_RedisConsumer):
@@ -376,23 +463,43 @@ class _Consumer(_RedisConsumer):
                 continue
             try:
                 message = MessageProxy(Message.decode(data))
+                problem = _malformed(message)
             except DecodeError as exc:
-                moved = self.broker.set_aside_undecodable(self.queue_name, data)
-                logger.error(
-                    "cannot decode a message on queue %r (%s: %.80r); %s",
-                    self.queue_name, type(exc.error).__name__, data,
-                    "moved to the dead-letter set" if moved else "could not find it to set it aside",
-                )  # fmt: skip
+                problem = f"cannot decode it ({type(exc.error).__name__})"
+            if problem:
+                self._set_aside(data, problem)
                 continue
             self.queued_message_ids.add(message.message_id)
             # Delayed messages are only parked here; they are checked when they come due.
             if delayed or message.actor_name in self.broker.actors:
                 accepted.append(message)
-            else:
+                continue
+            try:
                 self.broker._hold_or_skip_unknown(self, message)
+            except ConnectionClosed:
+                raise
+            except Exception as exc:
+                # One odd message must not take the consumer, and the batch fetched with it, down.
+                self.queued_message_ids.discard(message.message_id)
+                self._set_aside(data, f"cannot hold it for its unknown task type ({type(exc).__name__}: {exc})")
         if accepted and not delayed and self.broker.on_fetch is not None:
             self.broker.on_fetch(self.broker, accepted)
         self._ready.extend(accepted)
+
+    def _set_aside(self, data: bytes, problem: str) -> None:
+        moved = self.broker.set_aside_undecodable(self.queue_name, data)
+        # The bytes stay out of the line (they may be a payload); they are kept in the dead-letter set.
+        logger.error(
+            "a message on queue %r is malformed: %s; %s", self.queue_name, problem,
+            "moved to the dead-letter set" if moved else "could not find it to set it aside",
+        )  # fmt: skip
+
+    def dead_letter(self, message: MessageProxy, reason: str) -> None:
+        try:
+            self.broker.dead_letter(self.queue_name, message, reason)
+        finally:
+            self.queued_message_ids.discard(message.message_id)
+            self._freed.set()
 
     def ack(self, message: MessageProxy) -> None:
         self._post(message, "ack")
@@ -420,3 +527,19 @@ class _Consumer(_RedisConsumer):
                 self.queued_message_ids.discard(message.message_id)
         finally:
             self._freed.set()
+
+
+def _malformed(message: MessageProxy) -> str:
+    """What makes a decoded message unusable here, or "" when nothing does.
+
+    Dramatiq's decoder checks only that the fields are there; a message with no
+    ``redis_message_id`` (written by something other than a Dramatiq broker) could
+    not even be acked, and an id that is not a string breaks every key built from it.
+    """
+    for field, kind in (("queue_name", str), ("actor_name", str), ("message_id", str), ("kwargs", dict),
+                        ("options", dict), ("message_timestamp", int)):  # fmt: skip
+        if not isinstance(getattr(message, field), kind):
+            return f"its {field} is not a {kind.__name__}"
+    if not isinstance(message.options.get("redis_message_id"), str):
+        return "it has no options.redis_message_id (it was not written by a Dramatiq broker)"
+    return ""

@@ -64,6 +64,11 @@ def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
     return queues
 
 
+def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int]:
+    """Per task type, the messages skipped for want of a handler (in the dead-letter sets, last 7 days)."""
+    return {_text(k): int(v) for k, v in sorted(client.hgetall(f"{namespace}:gp:skipped").items())}
+
+
 def outbox_status(engine: Any) -> dict[str, Any]:
     """Pending rows, the age of the oldest, and rows set aside."""
     import sqlalchemy as sa

@@ -1,16 +1,22 @@
-"""Messages for task types nobody handles are skipped with one warning, not dead-lettered or looped."""
+"""Messages for task types nobody handles are held, then dead-lettered with one warning; malformed ones at once."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
 import dramatiq
 import pytest
+import redis
 from dramatiq import Message
 
 import dramatiq_gp as gp
+from dramatiq_gp.status import skipped_status
 from helpers import messages_of, wait_for
 
 
@@ -30,28 +36,74 @@ def _orphan(actor_name: str, queue: str = "default") -> Message:
     )
 
 
-def test_unknown_task_types_are_acked_and_skipped_with_one_warning_per_type(
+def test_unknown_task_types_are_dead_lettered_with_the_reason_and_one_warning_per_type(
     make_kit, start_worker, rdb, namespace, caplog
 ):
     kit = make_kit(
         lambda registry, schedule: registry.listen(Known, lambda e: None, name="stays"),
         env={"WORKER_UNKNOWN_TASK_GRACE": "0"},
     )
+    removed, also_removed = "listener:test.unknown.known:removed", "listener:test.unknown.known:also_removed"
     for _ in range(3):
-        kit.broker.enqueue(_orphan("listener:test.unknown.known:removed"))
-    kit.broker.enqueue(_orphan("listener:test.unknown.known:also_removed"))
+        kit.broker.enqueue(_orphan(removed))
+    kit.broker.enqueue(_orphan(also_removed))
     caplog.set_level(logging.INFO)
     start_worker(kit)
-    wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") == 0)
+    wait_for(lambda: rdb.zcard(f"{namespace}:default.XQ") == 4)
     time.sleep(0.2)
     warnings = messages_of(caplog, "", logging.WARNING)
     assert len(warnings) == 2, warnings
-    assert (
-        "'listener:test.unknown.known:removed'" in warnings[0] or "'listener:test.unknown.known:removed'" in warnings[1]
-    )
     assert all("no handler registered" in w for w in warnings)
-    assert rdb.zcard(f"{namespace}:default.XQ") == 0
+    assert sorted(w.split("task type ")[1].split(" ")[0] for w in warnings) == sorted(
+        [repr(also_removed), repr(removed)]
+    )
     assert messages_of(caplog, "dramatiq", logging.ERROR) == []
+    # Kept for inspection, each with why it is there, and counted for `dramatiq-gp status`.
+    assert rdb.hlen(f"{namespace}:default.msgs") == 0
+    kept = [Message.decode(data.encode()) for data in rdb.hvals(f"{namespace}:default.XQ.msgs")]
+    assert sorted(m.actor_name for m in kept) == sorted([removed] * 3 + [also_removed])
+    for message in kept:
+        assert f"no handler for task type {message.actor_name!r}" in message.options["gp_dead_letter_reason"]
+    assert skipped_status(rdb, namespace) == {also_removed: 1, removed: 3}
+    assert 0 < rdb.pttl(f"{namespace}:gp:skipped") <= kit.broker.dead_message_ttl
+
+
+def test_status_shows_the_skipped_task_types(make_kit, start_worker, rdb, namespace, redis_url):
+    kit = make_kit(
+        lambda registry, schedule: registry.listen(Known, lambda e: None, name="stays"),
+        env={"WORKER_UNKNOWN_TASK_GRACE": "0"},
+    )
+    kit.broker.enqueue(_orphan("listener:test.unknown.known:gone"))
+    start_worker(kit)
+    wait_for(lambda: rdb.zcard(f"{namespace}:default.XQ") == 1)
+    env = {**os.environ, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace}
+    env.pop("DB_URL", None)
+    text = subprocess.run([sys.executable, "-m", "dramatiq_gp", "status"], env=env, capture_output=True, text=True)
+    assert text.returncode == 0, text.stderr
+    assert "skipped (no handler, kept as dead letters): listener:test.unknown.known:gone: 1" in text.stdout
+    assert "queue default: 0 ready, 0 in flight, 0 delayed, 1 dead" in text.stdout
+    report = subprocess.run([sys.executable, "-m", "dramatiq_gp", "status", "--json"], env=env, capture_output=True)
+    assert json.loads(report.stdout)["skipped_task_types"] == {"listener:test.unknown.known:gone": 1}
+
+
+def test_join_returns_while_only_held_messages_remain(make_kit, start_worker, rdb, namespace):
+    kit = make_kit(lambda registry, schedule: registry.listen(Known, lambda e: None, name="stays"))
+    runs: list[int] = []
+    dramatiq.actor(runs.append, broker=kit.broker, actor_name="known_actor", queue_name="default").send(1)
+    kit.broker.enqueue(_orphan("listener:test.unknown.known:later"))  # held for the default five minutes
+    start_worker(kit)
+    started = time.monotonic()
+    kit.broker.join("default", timeout=15_000)
+    assert time.monotonic() - started < 15
+    assert runs == [1]
+    wait_for(lambda: rdb.hlen(f"{namespace}:default.DQ.msgs") == 1)
+    (held,) = rdb.hvals(f"{namespace}:default.DQ.msgs")
+    assert Message.decode(held.encode()).actor_name == "listener:test.unknown.known:later"
+    # Anything else still pending is waited for.
+    dramatiq.actor(lambda: time.sleep(1), broker=kit.broker, actor_name="slow_actor", queue_name="default").send()
+    started = time.monotonic()
+    kit.broker.join("default", timeout=15_000)
+    assert time.monotonic() - started >= 0.5
 
 
 def test_an_unknown_task_is_held_through_the_grace_period_for_a_worker_that_knows_it(
@@ -85,29 +137,52 @@ def test_after_the_grace_period_an_unknown_task_is_skipped(make_kit, start_worke
     wait_for(lambda: any("no handler registered" in m for m in messages_of(caplog, "", logging.WARNING)), timeout=5)
     wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") + rdb.hlen(f"{namespace}:default.DQ.msgs") == 0)
     assert any("holding its messages" in m for m in messages_of(caplog, "dramatiq_gp", logging.INFO))
-    assert rdb.zcard(f"{namespace}:default.XQ") == 0
+    (kept,) = rdb.hvals(f"{namespace}:default.XQ.msgs")
+    assert "within 300ms" in Message.decode(kept.encode()).options["gp_dead_letter_reason"]
+
+
+def _raw(actor_name: str, **fields: object) -> bytes:
+    message = {"queue_name": "default", "actor_name": actor_name, "args": [], "kwargs": {}, "options": {},
+               "message_id": "m-1", "message_timestamp": 1}  # fmt: skip
+    message.update(fields)
+    return json.dumps(message).encode()
 
 
 @pytest.mark.parametrize(
     "garbage",
-    [b"\x00\xffnot json", b'{"queue_name": "default"}', b'{"queue_name": "default", "actor_name": "noop", "args": 5}'],
-    ids=["bytes", "missing-fields", "wrong-shape"],
+    [
+        b"\x00\xffnot json",
+        b'{"queue_name": "default"}',
+        b'{"queue_name": "default", "actor_name": "noop", "args": 5}',
+        _raw("noop"),
+        _raw("listener:test.unknown.known:gone"),
+        _raw("noop", options={"redis_message_id": "garbage-id"}, message_id=7),
+        _raw("noop", options=["redis_message_id"]),
+    ],
+    ids=["bytes", "missing-fields", "wrong-shape", "no-redis-id", "unknown-type-no-redis-id", "int-id", "options-list"],
 )
-def test_a_message_that_cannot_be_decoded_is_dead_lettered_and_stalls_nothing(
-    make_kit, start_worker, rdb, namespace, caplog, garbage
+def test_a_message_that_cannot_be_decoded_or_is_malformed_is_dead_lettered_and_stalls_nothing(
+    make_kit, start_worker, rdb, namespace, redis_url, caplog, garbage
 ):
-    kit = make_kit()
+    kit = make_kit(env={"WORKER_UNKNOWN_TASK_GRACE": "0"})
     done: list[int] = []
     actor = dramatiq.actor(done.append, broker=kit.broker, actor_name="noop", queue_name="default")
-    actor.send(1)
+    # Fetched in one batch with the garbage: they must run all the same.
+    for n in (1, 2, 3):
+        actor.send(n)
     rdb.rpush(f"{namespace}:default", "garbage-id")
     rdb.hset(f"{namespace}:default.msgs", "garbage-id", garbage)
-    actor.send(2)
+    for n in (4, 5, 6):
+        actor.send(n)
     with caplog.at_level(logging.ERROR):
         start_worker(kit)
-        wait_for(lambda: sorted(done) == [1, 2])
+        wait_for(lambda: sorted(done) == [1, 2, 3, 4, 5, 6])
     assert rdb.zscore(f"{namespace}:default.XQ", "garbage-id") is not None
-    assert rdb.hexists(f"{namespace}:default.XQ.msgs", "garbage-id")
+    with redis.Redis.from_url(redis_url) as raw:
+        assert raw.hget(f"{namespace}:default.XQ.msgs", "garbage-id") == garbage  # kept as it came
     assert not any(rdb.sismember(key, "garbage-id") for key in rdb.scan_iter(f"{namespace}:__acks__.*"))
-    (line,) = [m for m in messages_of(caplog, "dramatiq_gp.broker", logging.ERROR) if "cannot decode" in m]
-    assert "moved to the dead-letter set" in line
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    (line,) = [r.getMessage() for r in errors]
+    assert "malformed" in line and "moved to the dead-letter set" in line
+    assert "garbage" not in line and "not json" not in line  # the bytes stay out of the logs
+    assert all(r.exc_info is None for r in errors)
