@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import ParamSpec, TypeVar
+
+from dramatiq import cli
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class GPError(Exception):
     """Base class of every error dramatiq_gp raises on purpose."""
@@ -36,3 +48,42 @@ class HandlerPanic(GPError):
     The worker turns it into this ordinary exception, chained to the original,
     so the attempt fails and is retried like any other error.
     """
+
+
+def one_line_at_start_up(fn: Callable[P, R]) -> Callable[P, R]:
+    """While the ``dramatiq`` command boots a worker process, end it with one line on a :class:`GPError`.
+
+    Dramatiq's worker process catches only ``ImportError`` and connection errors
+    while it imports the broker module; anything else reaches ``multiprocessing``,
+    which prints ``Process Process-1:`` and the whole traceback before the message
+    that matters. Wrapped around the calls an application makes at import (building
+    the Kit, declaring events, listeners and schedule entries), a deliberate error
+    is logged once (``start-up failed: ...``) and the process exits with Dramatiq's
+    code for a failed import (2). Anywhere else, including code that catches the
+    error itself outside a booting worker, it is raised as usual.
+
+    Dramatiq internal relied on: the worker process runs ``dramatiq.cli.worker_process``,
+    whose frame is on the stack while it imports the broker and extra modules.
+    """
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except GPError as exc:
+            if not _booting_dramatiq_worker():
+                raise
+            logging.getLogger("dramatiq_gp").error("start-up failed: %s", exc)
+            raise SystemExit(cli.RET_IMPORT) from None
+
+    return call
+
+
+def _booting_dramatiq_worker() -> bool:
+    code = cli.worker_process.__code__
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False

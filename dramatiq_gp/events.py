@@ -17,7 +17,7 @@ from pydantic import TypeAdapter
 from pydantic.errors import PydanticSchemaGenerationError
 from pydantic_core import PydanticSerializationError
 
-from .errors import EventEncodeError, EventError
+from .errors import EventEncodeError, EventError, one_line_at_start_up
 
 #: Wire names (and listener names) become part of actor names, where ``:`` separates parts.
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
@@ -43,11 +43,14 @@ class EventType:
                 does not match its annotation.
         """
         if not isinstance(event, self.cls):
-            raise EventEncodeError(f"expected a {self.cls.__qualname__} for event {self.name!r}, got {event!r}")
+            raise EventEncodeError(
+                f"expected a {self.cls.__qualname__} for event {self.name!r}, got a {type(event).__qualname__}"
+            )
         try:
             return self.adapter.dump_python(event, mode="json", warnings="error")
         except PydanticSerializationError as exc:
-            raise EventEncodeError(f"cannot encode event {self.name!r} ({event!r}): {exc}") from exc
+            # The event's repr stays out: error messages end up in logs and Sentry, payloads must not.
+            raise EventEncodeError(f"cannot encode event {self.name!r}: {exc}") from exc
 
     def decode(self, data: Any) -> Any:
         return self.adapter.validate_python(data)
@@ -56,6 +59,7 @@ class EventType:
         return f"EventType({self.name!r}, {self.cls.__qualname__})"
 
 
+@one_line_at_start_up
 def event(name: str) -> Any:
     """Class decorator: make ``cls`` an event travelling under ``name``.
 
@@ -73,6 +77,7 @@ def event(name: str) -> Any:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise EventError(f"event name {name!r} must be letters, digits, '_', '.', '-' (no ':')")
 
+    @one_line_at_start_up
     def decorate(cls: type[T]) -> type[T]:
         taken = _by_name.get(name)
         if taken is not None and _path(taken.cls) != _path(cls):

@@ -29,7 +29,7 @@ from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifica
 from opentelemetry import trace
 
 from .broker import Broker
-from .errors import BrokerUnreachable, GPError
+from .errors import BrokerUnreachable, GPError, one_line_at_start_up
 from .lifecycle import Closer, Closers, Lifecycle, Producer
 from .middleware import IdempotentExecution, Metrics, PanicRecovery, QueueWeights, Retries, TaskLog, Tracing
 from .registry import Registry, default_registry
@@ -79,6 +79,7 @@ class Kit:
         ConfigError: an environment variable is invalid.
     """
 
+    @one_line_at_start_up
     def __init__(
         self,
         register: RegisterFunc | None = None,
@@ -92,7 +93,7 @@ class Kit:
     ) -> None:
         global _current
         self.settings = settings if settings is not None else Settings.from_env()
-        configure_logging(self.settings.log)
+        configure_logging(self.settings.log, send_default_pii=self.settings.sentry.send_default_pii)
         namespace = (broker_options or {}).get("namespace") or self.settings.queue.namespace
         self.telemetry = Telemetry(self.settings, namespace=namespace, tracer_provider=tracer_provider)
         logger.info(

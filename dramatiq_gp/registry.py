@@ -26,7 +26,7 @@ from uuid import UUID, uuid5
 
 from dramatiq import Actor, Broker, Message
 
-from .errors import RegistrationError
+from .errors import RegistrationError, one_line_at_start_up
 from .events import NAME, EventType, event_type
 from .settings import QUEUE_NAME
 
@@ -111,6 +111,7 @@ class Registry:
         self._broker: Broker | None = None
         self._lock = threading.Lock()
 
+    @one_line_at_start_up
     def listen(
         self,
         event_cls: type[Any],

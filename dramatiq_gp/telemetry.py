@@ -16,6 +16,7 @@ provider already installed, or a Sentry client already initialised, is used as i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import multiprocessing.util
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from dramatiq import Message
+from dramatiq.broker import MessageProxy
 from opentelemetry import metrics, trace
 from pythonjsonlogger.json import JsonFormatter
 
@@ -62,6 +65,32 @@ class TraceIds(logging.Filter):
         if context.is_valid:
             record.trace_id = format(context.trace_id, "032x")
             record.span_id = format(context.span_id, "016x")
+        return True
+
+
+class NoPayloads(logging.Filter):
+    """Keeps message arguments out of log lines: a message is named by task type and id.
+
+    Some of Dramatiq's own lines format the whole message (``Received message
+    send_mail('ada@example.com') with id ...``), and an actor logs its arguments
+    at DEBUG. Installed on the root handlers, this filter rewrites the record
+    before any handler, and before Sentry's breadcrumbs (which read the record
+    after the handlers), sees it.
+    """
+
+    #: Dramatiq lines whose arguments are a message's arguments.
+    ARGUMENT_LINES = frozenset({"Received args=%r kwargs=%r."})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or not args:
+            return True
+        if record.msg in self.ARGUMENT_LINES:
+            record.args = ("[Filtered]",) * len(args)
+        elif any(isinstance(arg, Message | MessageProxy) for arg in args):
+            record.args = tuple(
+                f"{arg.actor_name}/{arg.message_id}" if isinstance(arg, Message | MessageProxy) else arg for arg in args
+            )
         return True
 
 
@@ -102,8 +131,11 @@ def json_formatter() -> logging.Formatter:
     )  # fmt: skip
 
 
-def configure_logging(settings: LogSettings) -> None:
+def configure_logging(settings: LogSettings, *, send_default_pii: bool = False) -> None:
     """Give every root handler the ``LOG_FORMAT`` formatter and the trace-id filter; set ``LOG_LEVEL``.
+
+    Unless ``send_default_pii`` is on, the handlers also get :class:`NoPayloads`,
+    so no line carries a message's arguments.
 
     The dramatiq CLI has already installed a handler writing to its log pipe by
     the time the kit is built; it is kept and reformatted, so Dramatiq's own lines
@@ -120,6 +152,12 @@ def configure_logging(settings: LogSettings) -> None:
         handler.setFormatter(json_formatter() if settings.format == "json" else TextFormatter())
         if not any(isinstance(f, TraceIds) for f in handler.filters):
             handler.addFilter(TraceIds())
+        payloads = [f for f in handler.filters if isinstance(f, NoPayloads)]
+        if send_default_pii:
+            for f in payloads:
+                handler.removeFilter(f)
+        elif not payloads:
+            handler.addFilter(NoPayloads())
 
 
 # -- exporters --------------------------------------------------------------------
@@ -251,7 +289,7 @@ class Telemetry:
             else:
                 self._start_sentry()
                 started.append("errors to Sentry")
-        multiprocessing.util.Finalize(None, self.flush, exitpriority=100)
+        multiprocessing.util.Finalize(None, self._flush_at_exit, exitpriority=100)
         if started:
             logger.info("start-up: telemetry exports %s", "; ".join(started))
 
@@ -295,7 +333,22 @@ class Telemetry:
                 FLUSH_TIMEOUT_MS, ", ".join(late),
             )  # fmt: skip
         for handler in logging.getLogger().handlers:
-            handler.flush()
+            # A closed or vanished stream: nothing can be written there any more.
+            with contextlib.suppress(ValueError, OSError):
+                handler.flush()
+
+    def _flush_at_exit(self) -> None:
+        """:meth:`flush`, as the process exits: it must not print a traceback, whatever it meets.
+
+        By then a log handler's stream may be closed (pytest closes its capture
+        streams before the interpreter's exit hooks run); logging would report each
+        line it cannot write with a traceback of its own.
+        """
+        raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
+        try:
+            self.flush()
+        finally:
+            logging.raiseExceptions = raise_exceptions
 
     def _start_tracing(self) -> TracerProvider:
         from opentelemetry.sdk.trace import TracerProvider
@@ -341,6 +394,8 @@ class Telemetry:
             release=sentry.release,
             traces_sample_rate=sentry.traces_sample_rate,
             send_default_pii=sentry.send_default_pii,
+            # Frame locals hold the message and the event it carries: payloads, like the arguments.
+            include_local_variables=sentry.send_default_pii,
             # The kit's Sentry middleware does what Sentry's Dramatiq integration
             # would (per message, without its duplicate events); the Redis one would
             # record every poll of the consumers as a breadcrumb.

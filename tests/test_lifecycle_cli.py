@@ -142,7 +142,23 @@ def test_redis_down_at_start_up_exits_non_zero_with_one_line_naming_the_address(
     assert "Traceback" not in worker.log
 
 
-def test_an_invalid_variable_stops_start_up_naming_it(run_dramatiq):
-    worker = run_dramatiq({"WORKER_QUEUES": "default:lots"})
-    assert worker.wait(60) != 0
-    assert "WORKER_QUEUES='default:lots'" in worker.log
+@pytest.mark.parametrize(
+    ("env", "culprit"),
+    [
+        ({"WORKER_QUEUES": "default:x"}, "WORKER_QUEUES='default:x'"),
+        ({"SCHEDULER_TIMEZONE": "Mars/Phobos"}, "SCHEDULER_TIMEZONE='Mars/Phobos'"),
+        ({"GP_TEST_CRON": "61 * * * *"}, "'61 * * * *'"),
+        ({"GP_TEST_EVENT_NAME": "shop:order"}, "event name 'shop:order'"),
+    ],
+    ids=["bad-variable", "bad-zone", "bad-cron-spec", "bad-event-at-import"],
+)
+def test_a_deliberate_start_up_error_is_one_line_and_a_non_zero_exit(run_dramatiq, env, culprit):
+    worker = run_dramatiq(env)
+    assert worker.wait(60) == 2  # the dramatiq command's code for a module that failed to import
+    lines = [line for line in worker.log.splitlines() if line.strip()]
+    assert "Traceback" not in worker.log
+    (failure,) = [line for line in lines if "start-up failed" in line]
+    assert "[ERROR]" in failure and culprit in failure, failure
+    # Nothing else alarming but the dramatiq command's own line saying a worker process exited.
+    alarms = [line for line in lines if any(level in line for level in ("[WARNING]", "[ERROR]", "[CRITICAL]"))]
+    assert [line for line in alarms if line != failure and "[dramatiq.MainProcess]" not in line] == [], lines

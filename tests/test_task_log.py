@@ -1,9 +1,12 @@
-"""Per-task log lines: started, done, failed, through stdlib logging."""
+"""Per-task log lines: started, done, failed, through stdlib logging, at Dramatiq's levels."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+import dramatiq
+from dramatiq.rate_limits import RateLimitExceeded
 
 import dramatiq_gp as gp
 from helpers import wait_for
@@ -81,3 +84,42 @@ def test_log_level_warn_silences_the_per_task_info_lines(make_kit, start_worker,
     wait_for(lambda: not kit.broker.client.hlen(f"{kit.broker.namespace}:default.msgs"))
     levels = [r.levelno for r in _records(caplog)]
     assert levels == [logging.ERROR]
+
+
+class Expected(Exception):
+    pass
+
+
+def test_dramatiq_levels_an_expected_exception_at_info_and_a_rate_limit_miss_at_debug(make_kit, start_worker, caplog):
+    caplog.set_level(logging.DEBUG)
+    kit = make_kit(env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"})
+    attempts: list[str] = []
+
+    @dramatiq.actor(broker=kit.broker, throws=Expected)
+    def expected() -> None:
+        attempts.append("expected")
+        raise Expected("as planned")
+
+    @dramatiq.actor(broker=kit.broker, max_retries=1)
+    def limited() -> None:
+        attempts.append("limited")
+        raise RateLimitExceeded("no slot")
+
+    start_worker(kit)
+    expected.send()
+    limited.send()
+    wait_for(lambda: len([r for r in _records(caplog) if r.getMessage().startswith("task failed")]) == 3)
+    kit.broker.join("default", timeout=10_000)
+    assert sorted(attempts) == ["expected", "limited", "limited"]  # the expected one is not retried
+
+    failed = {r.task_type: r for r in _records(caplog) if r.getMessage().startswith("task failed task_type=expected")}
+    (line,) = failed.values()
+    assert line.levelno == logging.INFO and line.exc_info is None
+    assert (line.expected, line.will_retry) == (True, False)
+    assert "will_retry=False expected=True error=Expected: as planned" in line.getMessage()
+    misses = [r for r in _records(caplog) if r.getMessage().startswith("task failed task_type=limited")]
+    assert [(r.levelno, r.will_retry, r.exc_info) for r in misses] == [(logging.DEBUG, True, None),
+                                                                        (logging.DEBUG, False, None)]  # fmt: skip
+    # Nothing at ERROR, and Dramatiq's own lines for both (which print the message's arguments) are replaced.
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert not [r for r in caplog.records if r.getMessage().startswith(("Failed to process", "Rate limit exceeded"))]

@@ -27,7 +27,7 @@ from dramatiq.brokers.redis import RedisBroker
 from opentelemetry.sdk.trace import TracerProvider
 
 import dramatiq_gp as gp
-from apps.app_events import OrderPlaced
+from apps.app_events import OrderPlaced, SignedUp
 from collector import Collector, start_collector
 from helpers import wait_for
 
@@ -176,11 +176,13 @@ def test_sentry_gets_one_event_per_final_failure_none_for_a_recovered_retry_and_
                          "OTEL_BSP_SCHEDULE_DELAY": "100"})  # fmt: skip
     failing = send(producer, "always_fails", "a")
     send(producer, "fails_once", "b")
+    send(producer, "expected", "c")  # the actor throws it: an expected outcome, not reported
     for n in range(30):
         send(producer, "quick", n)
     wait_for(lambda: worker.log.count("task done task_type=quick") == 30)
     wait_for(lambda: "task done task_type=fails_once" in worker.log)
     wait_for(lambda: worker.log.count("task failed task_type=always_fails") == 3)
+    wait_for(lambda: "task failed task_type=expected" in worker.log)
     wait_for(lambda: {"in_progress", "ok"} <= {c["status"] for c in collector.items("check_in")}, timeout=15)
     assert worker.stop() == 0
 
@@ -214,6 +216,88 @@ def test_sentry_gets_one_event_per_final_failure_none_for_a_recovered_retry_and_
     assert first["monitor_config"]["schedule"] == {"type": "interval", "unit": "minute", "value": 1}
     closing = [c for c in check_ins if c["check_in_id"] == first["check_in_id"] and c["status"] == "ok"]
     assert len(closing) == 1 and closing[0]["duration"] >= 0
+
+
+EMAIL = "ada.lovelace@example.com"
+
+
+@pytest.mark.parametrize("pii", [False, True], ids=["pii-off", "pii-on"])
+def test_event_data_reaches_sentry_and_the_logs_only_when_pii_sending_is_on(
+    run_worker, collector, engine, database_url, pii
+):
+    worker = run_worker({"SENTRY_DSN": collector.dsn, "SENTRY_TRACES_SAMPLE_RATE": "1.0", "LOG_LEVEL": "DEBUG",
+                         "SENTRY_SEND_DEFAULT_PII": str(pii).lower(), "DB_URL": database_url,
+                         "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+                         "OTEL_BSP_SCHEDULE_DELAY": "100"})  # fmt: skip
+    with engine.begin() as conn:
+        gp.dispatch(conn, SignedUp(EMAIL))
+    wait_for(
+        lambda: "task_type=listener:test.telemetry.signed_up:welcome" in worker.log and "will_retry=False" in worker.log
+    )
+    wait_for(lambda: len(collector.spans_named("process listener:test.telemetry.signed_up:welcome")) == 2)
+    assert worker.stop() == 0
+
+    (event,) = collector.items("event")
+    assert event["exception"]["values"][-1]["value"] == "the welcome mail bounced"
+    frames = event["exception"]["values"][-1]["stacktrace"]["frames"]
+    assert any(frame["function"] == "welcome" for frame in frames)
+    assert collector.items("transaction")  # spans were sent too, and are searched below
+    everything = json.dumps(collector.envelopes) + repr(collector.spans)
+    if pii:
+        assert event["contexts"]["dramatiq"]["args"][0]["data"] == {"email": EMAIL}
+        (welcome,) = [frame for frame in frames if frame["function"] == "welcome"]
+        assert EMAIL in json.dumps(welcome["vars"])
+    else:
+        # Not in the arguments, nor in any frame's local variables, breadcrumb, tag, context or span.
+        assert event["contexts"]["dramatiq"]["args"] == "[Filtered]"
+        assert all("vars" not in frame for frame in frames)
+        assert EMAIL not in everything
+        # Nor in the worker's log, DEBUG lines included (Dramatiq's own print whole messages).
+        assert EMAIL not in worker.log
+        assert "Received message listener:test.telemetry.signed_up:welcome/" in worker.log
+
+
+def test_sentry_crons_false_sends_no_check_ins(run_worker, collector):
+    worker = run_worker({"SENTRY_DSN": collector.dsn, "SENTRY_TRACES_SAMPLE_RATE": "1.0", "SENTRY_CRONS": "false",
+                         "GP_TEST_CRON": "1"})  # fmt: skip
+    wait_for(lambda: worker.log.count("task done task_type=job:heartbeat") >= 2, timeout=15)
+    assert worker.stop() == 0
+    assert [t for t in collector.items("transaction") if t["transaction"] == "job:heartbeat"]  # Sentry was on
+    assert collector.items("check_in") == []
+
+
+@pytest.mark.parametrize("pii", [False, True], ids=["pii-off", "pii-on"])
+def test_a_reported_final_failure_frees_its_exception_at_once(collector, redis_url, namespace, pii):
+    """Dramatiq's own test_exception_from_actor_doesnt_leak, with the kit and Sentry on."""
+    env = {**os.environ, "SENTRY_DSN": collector.dsn, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace,
+           "SENTRY_SEND_DEFAULT_PII": str(pii).lower()}  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "tests.apps.exception_leak"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {"raised": 2, "alive": 0, "events": 1}
+
+
+def test_the_exit_flush_prints_no_traceback_when_the_log_stream_is_already_closed(tmp_path, redis_url, namespace):
+    # The stand-in Sentry accepts connections and never answers, so the flush gives up and says so, at exit.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        script = f"""
+import logging, sentry_sdk
+stream = open({str(tmp_path / "log.txt")!r}, "w")
+logging.getLogger().addHandler(logging.StreamHandler(stream))
+import dramatiq_gp as gp
+kit = gp.Kit(registry=gp.Registry())
+kit.broker.emit_after("process_boot")
+sentry_sdk.capture_message("one event to flush")
+stream.close()  # as pytest closes its capture streams before the exit hooks run
+"""
+        env = {**os.environ, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace,
+               "SENTRY_DSN": f"http://key@127.0.0.1:{silent.getsockname()[1]}/1"}  # fmt: skip
+        run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert run.returncode == 0
+    assert "Traceback" not in run.stderr and "Logging error" not in run.stderr, run.stderr
 
 
 def _free_port() -> int:

@@ -22,6 +22,17 @@ from dramatiq.broker import Broker, MessageProxy
 from ..broker import kit_broker
 
 
+def expected_failure(broker: Broker, message: MessageProxy, exception: BaseException) -> bool:
+    """Whether ``exception`` is one the actor ``throws``: an expected outcome, failed at once, never retried.
+
+    Dramatiq logs it at INFO without a traceback and Sentry's own integration does
+    not report it; the kit's task log and Sentry middleware do the same.
+    """
+    actor = broker.actors.get(message.actor_name)
+    throws: Any = message.options.get("throws") or (actor.options.get("throws") if actor is not None else None)
+    return bool(throws) and isinstance(exception, throws)
+
+
 class Retries(dramatiq.middleware.Retries):
     """Dramatiq's retry policy (``max_retries``, backoff, ``retry_when``, ``throws``,
     ``on_retry_exhausted``), with each retry sent atomically with the ack."""

@@ -7,11 +7,19 @@ worker process exits. This middleware replaces it:
 
 * each message runs in its own isolation scope with no breadcrumbs from before,
   tagged with its task type, queue, message id, attempt and trace id;
-* a failure is reported once, when Retries gives up (or the actor's ``throws``
-  marks it final), never for an attempt that will be retried, never for ``Retry``;
-* arguments go with the event only when ``send_default_pii`` is on;
+* a failure is reported once, when Retries gives up, never for an attempt that
+  will be retried, never for ``Retry``, never for an exception the actor
+  ``throws`` (an expected outcome, as Dramatiq and Sentry's integration treat it);
+* arguments and stack-frame local variables go with the event only when
+  ``send_default_pii`` is on;
 * a scheduled job reports Sentry Crons check-ins (in progress, then ok or
   error), with its schedule as the monitor's configuration.
+
+The final failure is captured from ``after_nack``, which Dramatiq runs once it has
+left the ``except`` block around the actor call: building the event reads the
+frames' locals, and inside that block the worker's frame still holds the
+exception, so the exception would sit in a reference cycle until the cyclic
+garbage collector ran. Dramatiq frees it at once, and so does this middleware.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sentry_sdk
@@ -33,6 +42,7 @@ from sentry_sdk.utils import event_from_exception
 
 from ..scheduler.cron import DESCRIPTORS, Cron, Every
 from ..scheduler.schedule import Entry
+from .retries import expected_failure
 from .tracing import DELIVERY
 
 _STATE = "_gp_sentry"
@@ -60,11 +70,26 @@ def monitor_config(entry: Entry) -> dict[str, Any]:
     return config
 
 
+@dataclass(slots=True)
+class _Message:
+    """A message's Sentry state, from ``before_process_message`` to its ack or nack."""
+
+    scope_manager: Any
+    scope: sentry_sdk.Scope
+    transaction: Any
+    check_in: tuple[str, str, float] | None
+    #: The final failure, reported from ``after_nack``.
+    failure: BaseException | None = None
+
+    def close(self) -> None:
+        self.scope_manager.__exit__(None, None, None)
+
+
 class Sentry(Middleware):
     """Per-message Sentry scopes, final-failure reports and Crons check-ins.
 
     Parameters:
-        send_default_pii: attach message arguments to events.
+        send_default_pii: attach message arguments and local variables to events.
         job_entry: finds the schedule entry of a ``job:<name>`` message (for its
             check-ins); ``None`` turns check-ins off.
     """
@@ -99,48 +124,64 @@ class Sentry(Middleware):
             transaction = sentry_sdk.start_transaction(continued)
             transaction.__enter__()
         check_in = self._check_in(message, MonitorStatus.IN_PROGRESS)
-        setattr(message, _STATE, (scope_manager, scope, transaction, check_in))
+        setattr(message, _STATE, _Message(scope_manager, scope, transaction, check_in))
 
     def after_process_message(
         self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
     ) -> None:
-        state = getattr(message, _STATE, None)
+        state: _Message | None = getattr(message, _STATE, None)
+        if state is None:
+            return
+        final = (
+            exception is not None
+            and message.failed
+            and not isinstance(exception, Retry)
+            and not expected_failure(broker, message, exception)
+        )
+        try:
+            if state.check_in is not None:
+                if exception is None:
+                    self._check_in(message, MonitorStatus.OK, state.check_in)
+                elif message.failed:
+                    self._check_in(message, MonitorStatus.ERROR, state.check_in)
+            if state.transaction is not None:
+                state.transaction.set_status("ok" if exception is None else "internal_error")
+                state.transaction.__exit__(None, None, None)
+        finally:
+            if final:
+                state.failure = exception  # the scope stays open until after_nack reports it
+            else:
+                delattr(message, _STATE)
+                state.close()
+
+    def after_nack(self, broker: Broker, message: MessageProxy) -> None:
+        state: _Message | None = getattr(message, _STATE, None)
         if state is None:
             return
         delattr(message, _STATE)
-        scope_manager, scope, transaction, check_in = state
         try:
-            final = exception is not None and not isinstance(exception, Retry) and message.failed
-            if final:
-                assert exception is not None
+            if state.failure is not None:
+                options = sentry_sdk.get_client().options
+                if not self.send_default_pii:
+                    options = {**options, "include_local_variables": False}
                 event, hint = event_from_exception(
-                    exception,
-                    client_options=sentry_sdk.get_client().options,
-                    mechanism={"type": "dramatiq", "handled": False},
+                    state.failure, client_options=options, mechanism={"type": "dramatiq", "handled": False}
                 )
-                scope.capture_event(event, hint=hint)
-            if check_in is not None:
-                if exception is None:
-                    self._check_in(message, MonitorStatus.OK, check_in)
-                elif message.failed:
-                    self._check_in(message, MonitorStatus.ERROR, check_in)
-            if transaction is not None:
-                transaction.set_status("ok" if exception is None else "internal_error")
-                transaction.__exit__(None, None, None)
+                state.failure = None
+                state.scope.capture_event(event, hint=hint)
         finally:
-            scope_manager.__exit__(None, None, None)
+            state.close()
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        state = getattr(message, _STATE, None)
+        state: _Message | None = getattr(message, _STATE, None)
         if state is None:
             return
         delattr(message, _STATE)
-        scope_manager, _, transaction, _ = state
         try:
-            if transaction is not None:
-                transaction.__exit__(None, None, None)
+            if state.transaction is not None:
+                state.transaction.__exit__(None, None, None)
         finally:
-            scope_manager.__exit__(None, None, None)
+            state.close()
 
     def _check_in(
         self, message: MessageProxy, status: str, check_in: tuple[str, str, float] | None = None

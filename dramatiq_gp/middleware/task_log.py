@@ -1,11 +1,13 @@
 """Task logs: ``task started``, ``task done``, ``task failed``, one line each, through stdlib logging.
 
-Dramatiq logs a failure at ERROR on every attempt and a warning for every skip;
-this middleware replaces those two lines (it filters them out of Dramatiq's
-worker logger) with lines that carry the task type, id, attempt, duration and
-whether the failure will be retried. Every other Dramatiq log line is kept.
-The fields are also passed as ``extra`` so a structured formatter can use them.
-``LOG_LEVEL=WARN`` silences the INFO lines.
+Dramatiq logs each failure, and each skip, with a line of its own; this
+middleware replaces those lines (it filters them out of Dramatiq's worker
+logger) with lines that carry the task type, id, attempt, duration and whether
+the failure will be retried, at Dramatiq's levels: ERROR with the traceback for
+an unexpected failure, INFO without one for an exception the actor ``throws``
+(expected, not retried), DEBUG for a rate-limit miss. Every other Dramatiq log
+line is kept. The fields are also passed as ``extra`` so a structured formatter
+can use them. ``LOG_LEVEL=WARN`` silences the INFO lines.
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ from typing import Any
 
 from dramatiq import Broker, Middleware, Retry
 from dramatiq.broker import MessageProxy
+from dramatiq.rate_limits import RateLimitExceeded
+
+from .retries import expected_failure
 
 _STARTED_ATTR = "_gp_started"
 
 
 class _ReplacedByTaskLog(logging.Filter):
-    LINES = frozenset({"Message %s was skipped.", "Failed to process message %s with unhandled exception."})
+    LINES = frozenset({
+        "Message %s was skipped.",
+        "Failed to process message %s with unhandled exception.",
+        "Failed to process message %s with expected exception %s.",
+        "Rate limit exceeded in message %s: %s.",
+    })  # fmt: skip
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.msg not in self.LINES
@@ -91,11 +101,20 @@ class TaskLog(Middleware):
                 message.actor_name, message.message_id, started[1], will_retry, extra=fields,
             )  # fmt: skip
             return
-        self.logger.error(
-            "task failed task_type=%s task_id=%s attempt=%d duration_ms=%.2f will_retry=%s error=%s",
-            message.actor_name, message.message_id, started[1], duration_ms, will_retry, error,
-            exc_info=exception, extra=fields,
-        )  # fmt: skip
+        if isinstance(exception, RateLimitExceeded):
+            level, exc_info = logging.DEBUG, None
+        elif expected_failure(broker, message, exception):
+            level, exc_info = logging.INFO, None
+            fields["expected"] = True
+        else:
+            level, exc_info = logging.ERROR, exception
+        if self.logger.isEnabledFor(level):
+            self.logger.log(
+                level, "task failed task_type=%s task_id=%s attempt=%d duration_ms=%.2f will_retry=%s%s error=%s",
+                message.actor_name, message.message_id, started[1], duration_ms, will_retry,
+                " expected=True" if fields.get("expected") else "", error,
+                exc_info=exc_info, extra=fields,
+            )  # fmt: skip
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         started = getattr(message, _STARTED_ATTR, None)

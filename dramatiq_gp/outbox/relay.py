@@ -174,7 +174,12 @@ class Relay:
         try:
             kind.decode(row.payload)
         except ValidationError as exc:
-            raise PoisonEvent(f"payload does not match {kind.cls.__qualname__}: {exc}") from None
+            # Pydantic's own text quotes the input; the reason is logged and stored, the payload must not be.
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}"
+                for e in exc.errors(include_url=False, include_input=False)
+            )
+            raise PoisonEvent(f"payload does not match {kind.cls.__qualname__}: {problems}") from None
         envelope: dict[str, Any] = {"id": str(row.id), "event": row.event, "data": row.payload}
         return Message(
             queue_name=EVENT_QUEUE,

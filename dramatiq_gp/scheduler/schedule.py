@@ -24,7 +24,7 @@ from typing import Any, overload
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ..durations import format_duration
-from ..errors import EventEncodeError, EventError, GPError
+from ..errors import EventEncodeError, EventError, GPError, one_line_at_start_up
 from ..events import NAME, EventType, event_type
 from ..settings import QUEUE_NAME
 from .cron import CronError, Spec, parse
@@ -71,17 +71,20 @@ class Schedule:
         known_options: option names a message may carry (the Kit passes the broker's).
     """
 
+    @one_line_at_start_up
     def __init__(self, timezone: str = "UTC", *, known_options: set[str] | None = None) -> None:
         self.zone = _zone(timezone, "the schedule")
         self._known_options = known_options
         self._entries: dict[str, Entry] = {}
 
+    @one_line_at_start_up
     def every(self, interval: timedelta, event: object, *, name: str | None = None, **options: Any) -> Schedule:
         """Dispatch ``event`` every ``interval`` (ticks anchored to the Unix epoch)."""
         if not isinstance(interval, timedelta) or interval < timedelta(seconds=1):
             raise ScheduleError(f"schedule entry {name or _event_name(event)!r}: interval must be a timedelta >= 1s")
         return self._add_event(f"@every {format_duration(interval)}", event, name, None, options)
 
+    @one_line_at_start_up
     def daily_at(
         self, at: str, event: object, *, name: str | None = None, tz: str | None = None, **options: Any
     ) -> Schedule:
@@ -91,6 +94,7 @@ class Schedule:
             raise ScheduleError(f"schedule entry {name or _event_name(event)!r}: daily_at({at!r}) is not HH:MM")
         return self._add_event(f"{int(match[2])} {int(match[1])} * * *", event, name, tz, options)
 
+    @one_line_at_start_up
     def cron(
         self, spec: str, event: object, *, name: str | None = None, tz: str | None = None, **options: Any
     ) -> Schedule:
@@ -105,6 +109,7 @@ class Schedule:
         self, name: str, spec: str, handler: None = None, *, tz: str | None = None, **options: Any
     ) -> Callable[[JobHandler], JobHandler]: ...
 
+    @one_line_at_start_up
     def job(
         self, name: str, spec: str, handler: JobHandler | None = None, *, tz: str | None = None, **options: Any
     ) -> Schedule | Callable[[JobHandler], JobHandler]:

@@ -23,3 +23,9 @@ class Numbered:
 @dataclass(frozen=True)
 class OrderPlaced:
     order_id: int
+
+
+@gp.event("test.telemetry.signed_up")
+@dataclass(frozen=True)
+class SignedUp:
+    email: str

@@ -15,7 +15,7 @@ import dramatiq
 import sentry_sdk
 
 import dramatiq_gp as gp
-from tests.apps.app_events import OrderPlaced
+from tests.apps.app_events import OrderPlaced, SignedUp
 
 logger = logging.getLogger("tests.apps.telemetry_app")
 
@@ -34,6 +34,12 @@ def stock(event: OrderPlaced) -> None:
     logger.info("reserving stock for order %s", event.order_id)
 
 
+def welcome(event: SignedUp) -> None:
+    address = event.email
+    _crumb(f"welcome mail for user #{len(address)}")
+    raise RuntimeError("the welcome mail bounced")
+
+
 def heartbeat() -> None:
     logger.info("heartbeat")
 
@@ -41,6 +47,7 @@ def heartbeat() -> None:
 def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
     registry.listen(OrderPlaced, mail, name="mail")
     registry.listen(OrderPlaced, stock, name="stock", queue="stock")
+    registry.listen(SignedUp, welcome, name="welcome", max_retries=1)
     if os.environ.get("GP_TEST_CRON") == "1":
         schedule.job("heartbeat", "@every 1s", heartbeat)
 
@@ -77,3 +84,12 @@ def low(n: int) -> None:
 @dramatiq.actor(broker=broker, queue_name="default")
 def sleepy(seconds: float) -> None:
     time.sleep(seconds)
+
+
+class Expected(Exception):
+    pass
+
+
+@dramatiq.actor(broker=broker, queue_name="default", throws=Expected)
+def expected(tag: str) -> None:
+    raise Expected(f"expected: {tag}")
