@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -29,6 +30,42 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _fail(message: str) -> None:
     raise click.ClickException(message)
+
+
+#: Help shown for a group called without a command; click < 8.2 exits with it instead.
+_HELP_INSTEAD: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+class _UsageError(click.ClickException):
+    exit_code = click.UsageError.exit_code
+
+
+def _one_line(exc: click.UsageError) -> click.ClickException:
+    """Click's usage error (usage, hint, blank line, error) as the one line the command promises."""
+    message = " ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
+    if exc.ctx is not None:
+        message += f" (see '{exc.ctx.command_path} --help')"
+    return _UsageError(message)
+
+
+class _OneLineErrors(click.Group):
+    """The top-level group: every usage error below it, too, prints one line."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            if isinstance(exc, _HELP_INSTEAD):
+                raise
+            raise _one_line(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            if isinstance(exc, _HELP_INSTEAD):
+                raise
+            raise _one_line(exc) from None
 
 
 def _settings() -> Settings:
@@ -65,7 +102,7 @@ def _redis(settings: Settings) -> redis.Redis:
     return client
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """The dramatiq-gp command: migrations, status, the outbox and the schedule.
 
@@ -178,6 +215,11 @@ def outbox_retry(ids: tuple[str, ...], every: bool) -> None:
 
     if bool(ids) == every:
         _fail("give the event ids to retry, or --all")
+    for text in ids:
+        try:
+            uuid.UUID(text)
+        except ValueError:
+            _fail(f"{text!r} is not an event id (a UUID, as `dramatiq-gp outbox failed` lists them)")
     with _database(_settings()) as engine, engine.begin() as conn:
         count = outbox.retry_failed(conn, None if every else list(ids))
     click.echo(f"{count} event(s) pending again")

@@ -12,11 +12,12 @@ import logging
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .durations import parse_duration
@@ -60,6 +61,13 @@ def _log_level(value: object) -> str:
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ValueError("expected one of DEBUG, INFO, WARN, ERROR")
     return level
+
+
+def _existing_file(path: str | None) -> str | None:
+    # Checked here: the TLS library's own error names neither the variable nor the file.
+    if path is not None and not Path(path).is_file():
+        raise ValueError("no such file")
+    return path
 
 
 def redact_url(url: str) -> str:
@@ -116,7 +124,7 @@ class QueueSettings(BaseSettings):
     password: SecretStr | None = None
     db: int = Field(default=0, ge=0)
     tls: bool = False
-    tls_ca_file: str | None = None
+    tls_ca_file: Annotated[str | None, AfterValidator(_existing_file)] = None
     #: Skip TLS certificate verification (never in production).
     tls_insecure: bool = False
     #: A full URL instead of the parts above: ``redis://``, ``rediss://``, ``unix://``, ``valkey://``.
@@ -188,8 +196,14 @@ class DatabaseSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_address(self) -> DatabaseSettings:
-        if self.url is not None and self.host is not None:
-            raise ValueError("set either DB_URL or DB_HOST, not both")
+        # A part beside DB_URL would be silently ignored: a password that is never used, say.
+        parts = [
+            f"DB_{name.upper()}"
+            for name in ("host", "port", "user", "password", "name")
+            if name in self.model_fields_set
+        ]
+        if self.url is not None and parts:
+            raise ValueError(f"set either DB_URL or {', '.join(parts)}, not both")
         return self
 
     @property

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
-from datetime import datetime
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import click
 import pytest
@@ -16,6 +20,7 @@ from dramatiq import Message
 import dramatiq_gp as gp
 from apps.app_events import OrderPlaced
 from dramatiq_gp.cli import main
+from dramatiq_gp.outbox import OUTBOX_EVENTS
 from helpers import wait_for
 
 
@@ -50,20 +55,33 @@ def test_schedule_next_finds_an_entry_a_worker_published(make_kit, clean_env, na
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("env", "args", "message"),
     [
-        (["schedule", "next", "61 * * * *"], "cron spec '61 * * * *'"),
-        (["schedule", "next", "0 3 * * *", "--tz", "Mars/Olympus"], "--tz 'Mars/Olympus' is not an IANA time zone"),
-        (["schedule", "next", "no_such_entry"], "no schedule entry 'no_such_entry'"),
-        (["outbox", "retry"], "give the event ids to retry, or --all"),
-        (["migrate", "status"], "no database configured: set DB_URL"),
+        ({}, ["schedule", "next", "61 * * * *"], "cron spec '61 * * * *': minute value 61 is out of range 0-59"),
+        ({}, ["schedule", "next", "0 3 * * *", "--tz", "Mars/Olympus"], "--tz 'Mars/Olympus' is not an IANA time zone"),
+        ({}, ["schedule", "next", "no_such_entry"], "no schedule entry 'no_such_entry'"),
+        ({}, ["outbox", "retry"], "give the event ids to retry, or --all"),
+        ({}, ["outbox", "retry", "not-an-id"], "'not-an-id' is not an event id (a UUID"),
+        ({}, ["outbox", "failed", "--limit", "x"], "Invalid value for '--limit': 'x' is not a valid integer."),
+        ({}, ["statu"], "No such command 'statu'."),
+        ({}, ["migrate", "status"], "no database configured: set DB_URL"),
+        ({"DB_URL": "postgresql://app@127.0.0.1:1/app"}, ["migrate", "status"],
+         "database error at postgresql+psycopg://app@127.0.0.1:1/app: connection failed"),
+        ({"DB_URL": "postgresql://app@db/app", "DB_HOST": "db"}, ["migrate", "status"],
+         "invalid configuration: set either DB_URL or DB_HOST, not both"),
+        ({"VALKEY_TLS_CA_FILE": "/no/such/ca.pem"}, ["status"],
+         "invalid configuration: VALKEY_TLS_CA_FILE='/no/such/ca.pem': no such file"),
     ],
-)
-def test_errors_are_one_line_and_non_zero(clean_env, args, message):
-    result = run(*args)
-    assert result.exit_code != 0
-    assert message in result.output
-    assert "Traceback" not in result.output
+)  # fmt: skip
+def test_errors_are_one_line_and_non_zero(clean_env, env, args, message):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    # A process of its own: what a shell sees, log lines and warnings included.
+    done = subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("Error: ") and message in line, line
 
 
 def test_an_unreachable_redis_is_named_without_its_password(clean_env):
@@ -126,3 +144,90 @@ def test_status_reports_the_leader_the_outbox_backlog_and_the_queues(make_kit, e
     assert report["outbox"]["pending"] == 3 and report["outbox"]["set_aside"] == 0
     mail = next(q for q in report["queues"] if q["name"] == "mail")
     assert (mail["ready"], mail["in_flight"], mail["delayed"], mail["dead"]) == (2, 0, 1, 0)
+
+
+def _set_aside(kit: gp.Kit, engine: sa.Engine, *order_ids: int) -> list[str]:
+    """Outbox rows the relay sets aside at once (OUTBOX_MAX_ATTEMPTS=1): their event type is unknown here."""
+    with engine.begin() as conn:
+        ids = [gp.dispatch(conn, OrderPlaced(n)) for n in order_ids]
+        conn.execute(sa.update(OUTBOX_EVENTS).where(OUTBOX_EVENTS.c.id.in_(ids)).values(event="test.cli.retired"))
+    assert kit.relay.relay_once() == len(ids)
+    return ids
+
+
+def test_status_prints_one_line_per_scheduler_entry_outbox_and_queue(make_kit, engine, database_url, namespace, rdb):
+    kit = make_kit(
+        lambda registry, schedule: schedule.job("nightly", "0 3 * * *", lambda: None, tz="Europe/Budapest"),
+        env={"SCHEDULER_LEASE_TTL": "3s", "DB_URL": database_url, "OUTBOX_MAX_ATTEMPTS": "1",
+             "VALKEY_NAMESPACE": namespace},
+    )  # fmt: skip
+    _set_aside(kit, engine, 1)
+    with engine.begin() as conn:
+        for n in range(2):
+            gp.dispatch(conn, OrderPlaced(n))
+    for n in range(2):
+        kit.broker.enqueue(Message(queue_name="mail", actor_name="send", args=(n,), kwargs={}, options={}))
+    kit.broker.enqueue(Message(queue_name="mail", actor_name="send", args=(9,), kwargs={}, options={}), delay=60_000)
+    # The last tick that was due: a new leader has nothing to catch up, and "last" stays this.
+    budapest = ZoneInfo("Europe/Budapest")
+    last = datetime.now(budapest).replace(hour=3, minute=0, second=0, microsecond=0)
+    if last > datetime.now(budapest):
+        last -= timedelta(days=1)
+    rdb.hset(f"{namespace}:scheduler:last_fired", "nightly", int(last.timestamp() * 1000))
+    kit.scheduler.start()
+    try:
+        wait_for(lambda: kit.scheduler.lease.is_held(), timeout=10)
+        result = run("status")
+        asked = datetime.now(UTC)
+    finally:
+        kit.scheduler.stop()
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith(f"scheduler {namespace}: ")))
+    leader, entry = lines[start : start + 2]
+    host, pid, epoch = socket.gethostname(), os.getpid(), kit.scheduler.lease.epoch
+    prefix = f"scheduler {namespace}: leader {host} pid {pid} epoch {epoch}, lease until "
+    assert leader.startswith(prefix), leader
+    assert asked < datetime.fromisoformat(leader.removeprefix(prefix)) <= asked + timedelta(seconds=3)
+    next_fire = (last + timedelta(days=1)).astimezone(UTC)  # wall-clock arithmetic: 03:00 local whatever the offset
+    assert entry == (
+        f"  nightly  0 3 * * * (Europe/Budapest)  next {next_fire.isoformat()}  last {last.astimezone(UTC).isoformat()}"
+    )
+    outbox = next(line for line in lines if line.startswith("outbox: "))
+    assert re.fullmatch(r"outbox: 2 pending \(oldest \d+(\.\d+)? s\), 1 set aside", outbox), outbox
+    assert [line for line in lines if line.startswith("queue ")] == [
+        "queue mail: 2 ready, 0 in flight, 1 delayed, 0 dead"
+    ]
+
+
+def test_outbox_failed_json_prints_each_set_aside_event_as_one_object_per_line(make_kit, engine, database_url):
+    kit = make_kit(env={"DB_URL": database_url, "OUTBOX_MAX_ATTEMPTS": "1"})
+    set_aside = _set_aside(kit, engine, 7, 8)
+    with engine.begin() as conn:
+        gp.dispatch(conn, OrderPlaced(9))  # pending: not listed
+    result = run("outbox", "failed", "--json")
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sorted(e["id"] for e in events) == sorted(set_aside)
+    for event in events:
+        assert event["event"] == "test.cli.retired"
+        assert event["attempts"] == 1
+        assert event["last_error"] == "event type 'test.cli.retired' is unknown here (no class declares it)"
+        assert event["payload"]["order_id"] in (7, 8)
+        assert datetime.fromisoformat(event["created_at"]) <= datetime.fromisoformat(event["failed_at"])
+
+
+def test_outbox_retry_by_id_makes_just_that_event_pending_again(make_kit, engine, database_url):
+    kit = make_kit(env={"DB_URL": database_url, "OUTBOX_MAX_ATTEMPTS": "1"})
+    again, left = _set_aside(kit, engine, 1, 2)
+    result = run("outbox", "retry", again)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "1 event(s) pending again\n"
+    with engine.connect() as conn:
+        rows = {str(row.id): row for row in conn.execute(sa.select(OUTBOX_EVENTS))}
+    assert (rows[again].failed_at, rows[again].attempts, rows[again].last_error) == (None, 0, None)
+    assert rows[left].failed_at is not None
+    assert [json.loads(line)["id"] for line in run("outbox", "failed", "--json").stdout.splitlines()] == [left]
+    # The relay picks it up again (and, its type still unknown, sets it aside again).
+    assert kit.relay.relay_once() == 1
+    assert run("outbox", "retry", "0b6c1f0e-4c5d-4d4e-9a53-2f1b2c3d4e5f").stdout == "0 event(s) pending again\n"

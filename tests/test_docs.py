@@ -3,6 +3,10 @@
 A ``python`` block whose first line is ``# file: <path>`` is written to that path
 in a scratch directory; the other ``python`` blocks of the page run, in order, as
 one script there, against the test Redis, in this test's namespace.
+
+The ``bash`` blocks of docs/cli.md run line by line in a scratch directory, against
+a Redis and a database of the test's own; a ``text`` block right after one shows
+what its first command prints, and the output must look like it.
 """
 
 from __future__ import annotations
@@ -11,9 +15,19 @@ import os
 import re
 import subprocess
 import sys
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
+import dramatiq
 import pytest
+import sqlalchemy as sa
+
+import dramatiq_gp as gp
+from helpers import wait_for
+from servers import OwnRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -55,3 +69,158 @@ def test_the_readme_names_the_two_commands_near_the_top():
     top = (ROOT / "README.md").read_text().splitlines()[:15]
     assert any(line.startswith("make demo") for line in top)
     assert any(line.startswith("make test") for line in top)
+
+
+# -- docs/cli.md: the shell examples ----------------------------------------------------------
+
+CLI_PAGE = ROOT / "docs" / "cli.md"
+FENCED = re.compile(r"^```(\w+)\n(.*?)^```\n", re.S | re.M)
+STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?[+-]\d\d:\d\d")
+
+
+def _shell_blocks(page: Path) -> list[tuple[list[str], str | None]]:
+    """Each ``bash`` block's command lines, with the ``text`` block right after it (what it prints), if any."""
+    text = page.read_text()
+    found = list(FENCED.finditer(text))
+    blocks = []
+    for i, block in enumerate(found):
+        if block.group(1) != "bash":
+            continue
+        following = found[i + 1] if i + 1 < len(found) else None
+        shown = None
+        if following and following.group(1) == "text" and not text[block.end() : following.start()].strip():
+            shown = following.group(2)
+        blocks.append(([line for line in block.group(2).splitlines() if line.strip()], shown))
+    return blocks
+
+
+def _run_block(lines: list[str], cwd: Path, env: dict[str, str]) -> tuple[list[subprocess.CompletedProcess[str]], Path]:
+    """Each line in bash, one after another, as a reader would type them (``cd`` carries over)."""
+    done = []
+    for line in lines:
+        if line.startswith("cd "):
+            cwd = cwd / line.removeprefix("cd ").strip()
+            continue
+        done.append(subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=60))
+    return done, cwd
+
+
+def _shape(line: str) -> str:
+    """A line of output with its values (times, counts, the namespace, the host) blanked out."""
+    line = STAMP.sub("<time>", line)
+    line = re.sub(r"^scheduler \S+: leader \S+ ", "scheduler <namespace>: leader <host> ", line)
+    return re.sub(r"\b(\d+(\.\d+)?|None)\b", "<n>", line)
+
+
+def _succeeded(done: list[subprocess.CompletedProcess[str]]) -> None:
+    for process in done:
+        assert process.returncode == 0, (process.args, process.stdout, process.stderr)
+        assert process.stderr == "", (process.args, process.stderr)
+
+
+@pytest.fixture
+def empty_database(service_env):
+    """A database of this test's own with no outbox table yet."""
+    server = sa.make_url(service_env["DB_URL"])
+    name = f"gpt_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    yield server.set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
+    admin.dispose()
+
+
+@pytest.fixture
+def shell_env(tmp_path, clean_env, namespace, empty_database):
+    """The reader's shell: ``dramatiq-gp`` on PATH, this test's namespace and database, and a Redis of its own.
+
+    Its own Redis, because ``status`` lists every scheduler on the server, other tests' too.
+    """
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    for name, value in {"REDIS_URL": server.url, "VALKEY_NAMESPACE": namespace, "DB_URL": empty_database}.items():
+        clean_env.setenv(name, value)
+    clean_env.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    yield dict(os.environ)
+    server.stop()
+
+
+def test_the_cli_pages_generator_commands_run_as_shown_and_again_change_nothing(tmp_path, shell_env):
+    generators = _shell_blocks(CLI_PAGE)[0][0]
+    work = tmp_path / "work"
+    work.mkdir()
+    done, project = _run_block(generators, work, shell_env)
+    _succeeded(done)
+    register = (project / "shop" / "modules" / "billing" / "register.py").read_text()
+    shown = next(b for lang, b in FENCED.findall(CLI_PAGE.read_text()) if lang == "text" and "def register(" in b)
+    assert shown in register
+
+    files = {path: path.read_bytes() for path in work.rglob("*") if path.is_file()}
+    again, _ = _run_block(generators, work, shell_env)
+    _succeeded(again)
+    assert {path: path.read_bytes() for path in work.rglob("*") if path.is_file()} == files
+
+
+def test_the_cli_pages_operator_commands_run_against_real_servers_as_shown(tmp_path, shell_env, make_kit):
+    # The page's order; a block added to the page fails here until this test runs it too.
+    _generators, (migrate, _), (status, status_shown), (schedule, schedule_shown), (outbox, _) = _shell_blocks(CLI_PAGE)
+
+    missing = subprocess.run(["dramatiq-gp", "migrate", "status"], env=shell_env, capture_output=True, text=True)
+    assert missing.returncode == 1 and "outbox table 'outbox_events' is missing" in missing.stdout
+    done, _ = _run_block(migrate, tmp_path, shell_env)
+    _succeeded(done)
+    assert "is up to date" in done[-1].stdout
+
+    # What the page's status shows: a leader with the page's entry, an event set aside, messages in two queues.
+    kit = make_kit(
+        lambda registry, schedule: schedule.job(
+            "shop.nightly_sales_report", "0 3 * * *", lambda: None, tz="Europe/Budapest"
+        ),
+        env={"SCHEDULER_LEASE_TTL": "5s", "OUTBOX_MAX_ATTEMPTS": "1"},
+    )
+    with kit.engine.begin() as conn:
+        set_aside = gp.dispatch(conn, Retired(1))
+        conn.execute(sa.text("UPDATE outbox_events SET event = 'test.docs.gone'"))
+    assert kit.relay.relay_once() == 1
+    for queue in ("default", "mail"):
+        kit.broker.enqueue(dramatiq.Message(queue_name=queue, actor_name="send", args=(), kwargs={}, options={}))
+    kit.scheduler.start()
+    try:
+        wait_for(kit.scheduler.lease.is_held)
+        done, _ = _run_block(status, tmp_path, shell_env)
+        _succeeded(done)
+        assert [_shape(line) for line in done[0].stdout.splitlines()] == [
+            _shape(line) for line in status_shown.splitlines()
+        ]
+
+        done, _ = _run_block(schedule, tmp_path, shell_env)
+        _succeeded(done)
+        previews = [[datetime.fromisoformat(t) for t in d.stdout.splitlines()] for d in done]
+        page = [datetime.fromisoformat(t) for t in schedule_shown.splitlines()]
+        budapest = ZoneInfo("Europe/Budapest")
+        assert [t.astimezone(budapest).strftime("%H:%M") for t in previews[0]] == [t.strftime("%H:%M") for t in page]
+        assert all(t.astimezone(budapest).isoweekday() <= 5 for t in previews[0] + page)
+        assert len(previews[1]) == 5 and {t.astimezone(budapest).strftime("%H:%M") for t in previews[1]} == {"03:00"}
+    finally:
+        kit.scheduler.stop()
+        kit.engine.dispose()
+
+    bad = re.search(r"A bad spec names its culprit: `(Error: cron spec '([^']+)'[^`]*)`", CLI_PAGE.read_text())
+    assert bad is not None
+    refused = subprocess.run(["dramatiq-gp", "schedule", "next", bad[2]], env=shell_env, capture_output=True, text=True)
+    assert refused.returncode == 1 and refused.stderr == bad[1] + "\n"
+
+    # ID [ID ...] stands for the ids `outbox failed` lists.
+    done, _ = _run_block([line.replace("ID [ID ...]", set_aside) for line in outbox], tmp_path, shell_env)
+    _succeeded(done)
+    listed, retried = done
+    assert listed.stdout.startswith(f"{set_aside}  test.docs.gone  attempts=1  failed=")
+    assert retried.stdout == "1 event(s) pending again\n"
+
+
+@gp.event("test.docs.retired")
+@dataclass(frozen=True)
+class Retired:
+    n: int

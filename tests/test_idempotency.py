@@ -80,15 +80,40 @@ def test_a_retry_of_the_same_id_still_runs(make_kit, start_worker):
 def test_completion_is_remembered_for_the_retention_window_and_claims_are_released(
     make_kit, start_worker, rdb, namespace
 ):
-    done = threading.Event()
-    kit = _kit_with(make_kit, lambda event: done.set(), env={"WORKER_DEDUP_RETENTION": "2h"})
-    envelope_id = kit.dispatch(Ping(1))
+    runs: list[int] = []
+    finish = threading.Event()
+
+    def handler(event: Ping) -> None:
+        runs.append(event.n)
+        finish.wait(5)
+
+    kit = _kit_with(make_kit, handler, env={"WORKER_DEDUP_RETENTION": "2s"})
+    idem = next(m for m in kit.broker.middleware if isinstance(m, gp.IdempotentExecution))
+    kit.dispatch(Ping(1), envelope_id="kept")
     start_worker(kit)
-    done.wait(5)
-    (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(1), envelope_id)]
+    wait_for(lambda: runs == [1])
+    (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(1), "kept")]
     key = f"{namespace}:gp:done:{message_id}"
+    # While it runs, the attempt holds a claim: its own token, for one lease, renewed by the worker.
+    assert rdb.get(key) not in (None, "done")
+    assert 0 < rdb.pttl(key) <= idem.lease_ms
+    assert list(idem._running) == [key]
+
+    finish.set()
     wait_for(lambda: rdb.get(key) == "done")
-    assert 2 * 3600 * 1000 - 60_000 < rdb.pttl(key) <= 2 * 3600 * 1000
+    assert 1500 < rdb.pttl(key) <= 2000
+    wait_for(lambda: not idem._running)  # nothing left to renew
+    assert [k for k in rdb.scan_iter(f"{namespace}:gp:done:*") if rdb.get(k) != "done"] == []
+
+    kit.dispatch(Ping(1), envelope_id="kept")  # within the window: skipped
+    wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") == 0 and rdb.hlen(f"{namespace}:default.DQ.msgs") == 0)
+    assert runs == [1]
+    assert rdb.get(key) == "done"
+
+    wait_for(lambda: rdb.exists(key) == 0, timeout=5)  # the window is over: nothing is held
+    kit.dispatch(Ping(1), envelope_id="kept")
+    wait_for(lambda: runs == [1, 1])
+    wait_for(lambda: rdb.get(key) == "done")
 
 
 def test_a_failed_attempt_releases_its_claim(make_kit, start_worker, rdb, namespace):

@@ -123,17 +123,36 @@ def test_a_retried_message_comes_back_in_its_own_queues_share(make_kit, start_wo
     kit = make_kit(
         env={"WORKER_QUEUES": "default:3,mail:1", "WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"}
     )
-    attempts: list[str] = []
+    starts = Starts()
+    default, _mail = _actors(kit, starts, 0.05)
+    tried: set[int] = set()
+    retries_at: list[int] = []  # positions in starts.order of second attempts
 
-    @dramatiq.actor(broker=kit.broker, actor_name="flaky_mail", queue_name="mail")
-    def flaky_mail() -> None:
-        attempts.append("mail")
-        if len(attempts) == 1:
+    def flaky(n: int) -> None:
+        with starts.lock:
+            retry = n in tried
+            tried.add(n)
+            if retry:
+                retries_at.append(len(starts.order))
+            starts.order.append("mail")
+        time.sleep(0.05)
+        if not retry:
             raise ConnectionError("smtp down")
 
-    flaky_mail.send()
-    start_worker(kit)
-    wait_for(lambda: len(attempts) == 2)
+    flaky_mail = dramatiq.actor(flaky, broker=kit.broker, actor_name="flaky_mail", queue_name="mail")
+    # Retries join the back of mail's Redis list, so default must outlast the first
+    # attempts and the retries together: 80 mail starts need 240 default ones beside them.
+    _fill(kit, default, 400)
+    _fill(kit, flaky_mail, 40)
+    start_worker(kit, threads=8)
+    wait_for(lambda: len(retries_at) == 40 and starts.order.count("default") == 400, timeout=60)
+
+    window = starts.order[WARM_UP : WARM_UP + 240]
+    assert len([i for i in retries_at if WARM_UP <= i < WARM_UP + 240]) >= 15, retries_at
+    share = window.count("default") / len(window)
+    assert 0.72 <= share <= 0.78, share
+    last_default = len(starts.order) - 1 - starts.order[::-1].index("default")
+    assert max(retries_at) < last_default  # every retry ran while default still had a backlog
 
 
 # -- the work queue on its own ---------------------------------------------------------

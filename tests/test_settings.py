@@ -1,14 +1,28 @@
-"""Configuration from the environment: defaults, parsing, and errors that name the variable."""
+"""Configuration from the environment: defaults, parsing, errors that name the variable, and what settings do."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import itertools
+import json
+import logging
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import dramatiq
+import psycopg
 import pytest
+import sqlalchemy as sa
 
 import dramatiq_gp as gp
 from dramatiq_gp.durations import format_duration, parse_duration
+from helpers import messages_of, wait_for
+from servers import OwnPostgres
 
 
 @pytest.fixture
@@ -157,3 +171,161 @@ def test_a_sentry_dsn_never_shows(env):
     with pytest.raises(gp.ConfigError) as raised:
         gp.Settings.from_env()
     assert "secretkey" not in str(raised.value) and "SENTRY_TRACES_SAMPLE_RATE='lots'" in str(raised.value)
+
+
+# -- DB_HOST, DB_PORT, DB_USER, DB_PASSWORD, DB_NAME ------------------------------------
+
+#: Characters that a URL must escape, so a password that reaches the server proves the quoting.
+DB_PASSWORD = "p@ss:w/rd %?#"
+
+
+@pytest.fixture(scope="module")
+def password_postgres():
+    """A PostgreSQL of this module's own where user ``shop`` must give its password to reach database ``shop``."""
+    # Not under pytest's temporary root: each new pytest session makes that root private
+    # again, which would lock PostgreSQL's own user out of its data directory.
+    directory = tempfile.TemporaryDirectory(prefix="gpt-pg-", ignore_cleanup_errors=True)
+    server = OwnPostgres(Path(directory.name))
+    # First match wins: the superuser (and the start-up check) is trusted, everyone else needs a password.
+    (server.data / "pg_hba.conf").write_text(
+        "local all postgres trust\nhost all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
+    )
+    server.start()
+    with psycopg.connect(server.url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(psycopg.sql.SQL("CREATE ROLE shop LOGIN PASSWORD {}").format(DB_PASSWORD))
+        conn.execute("CREATE DATABASE shop OWNER shop")
+    try:
+        yield server
+    finally:
+        server.stop()
+        directory.cleanup()
+
+
+def _db_parts(env, server, password=DB_PASSWORD):
+    env.setenv("DB_HOST", "127.0.0.1")
+    env.setenv("DB_PORT", str(server.port))
+    env.setenv("DB_USER", "shop")
+    env.setenv("DB_PASSWORD", password)
+    env.setenv("DB_NAME", "shop")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], capture_output=True, text=True, timeout=60)
+
+
+@gp.event("test.settings.placed")
+@dataclass(frozen=True)
+class Placed:
+    n: int
+
+
+def test_the_cli_and_a_kit_reach_postgresql_through_the_db_parts(clean_env, password_postgres, make_kit):
+    _db_parts(clean_env, password_postgres)
+    shown = f"postgresql+psycopg://shop:***@127.0.0.1:{password_postgres.port}/shop"
+    migrated = _cli("migrate", "up")
+    assert migrated.returncode == 0, migrated.stderr
+    assert migrated.stdout == f"outbox table 'outbox_events' is up to date in {shown}\n"
+
+    kit = make_kit(lambda registry, schedule: registry.listen(Placed, lambda event: None, name="noop"))
+    with kit.engine.connect() as conn:
+        where = conn.execute(sa.text("SELECT current_user, current_database(), inet_server_port()")).one()
+    assert tuple(where) == ("shop", "shop", password_postgres.port)
+    event_id = kit.dispatch(Placed(1))  # through the outbox, in database shop
+    kit.engine.dispose()
+    status = _cli("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["outbox"]["pending"] == 1
+    as_superuser = sa.make_url(password_postgres.url).set(drivername="postgresql", database="shop")
+    with psycopg.connect(as_superuser.render_as_string()) as conn:
+        rows = conn.execute("SELECT id::text, event FROM outbox_events").fetchall()
+    assert rows == [(event_id, "test.settings.placed")]
+
+
+def test_a_wrong_db_password_is_refused_in_one_line_that_hides_it(clean_env, password_postgres):
+    _db_parts(clean_env, password_postgres, password="hunter2")
+    done = _cli("migrate", "status")
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(
+        f"Error: database error at postgresql+psycopg://shop:***@127.0.0.1:{password_postgres.port}/shop: "
+    )
+    assert 'password authentication failed for user "shop"' in line
+    assert "hunter2" not in line
+
+
+@pytest.mark.parametrize(
+    ("part", "value"), [("DB_HOST", "db"), ("DB_PORT", "5433"), ("DB_USER", "app"), ("DB_PASSWORD", "hunter2"),
+                        ("DB_NAME", "app")]
+)  # fmt: skip
+def test_db_url_beside_any_db_part_is_one_line_naming_both(env, part, value):
+    env.setenv("DB_URL", "postgresql://app@db/app")
+    env.setenv(part, value)
+    done = _cli("migrate", "status")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == f"Error: invalid configuration: set either DB_URL or {part}, not both\n"
+    with pytest.raises(gp.ConfigError, match=f"set either DB_URL or {part}, not both"):
+        gp.Settings.from_env()
+
+
+# -- SCHEDULER_CATCHUP_MAX ---------------------------------------------------------------
+
+
+def test_scheduler_catchup_max_fires_only_the_latest_missed_ticks(make_kit, rdb, namespace, caplog):
+    kit = make_kit(
+        lambda registry, schedule: schedule.job("every_second", "@every 1s", lambda: None),
+        env={"SCHEDULER_LEASE_TTL": "1500ms", "SCHEDULER_CATCHUP": "all", "SCHEDULER_CATCHUP_MAX": "3"},
+    )
+    # The last leader's last fired tick, 10.5 s before the current second began: 11 or more were missed since.
+    last = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=10, milliseconds=500)
+    rdb.hset(f"{namespace}:scheduler:last_fired", "every_second", int(last.timestamp() * 1000))
+    caplog.set_level(logging.INFO, "dramatiq_gp.scheduler")
+    kit.scheduler.start()
+    try:
+        wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") >= 4, timeout=5)
+    finally:
+        kit.scheduler.stop()
+    logged = messages_of(caplog, "dramatiq_gp.scheduler")
+    caught_up = [datetime.fromisoformat(re.search(r"scheduled_at=(\S+)", m)[1]) for m in logged if "(catch-up)" in m]
+    assert len(caught_up) == 3
+    assert [b - a for a, b in itertools.pairwise(caught_up)] == [timedelta(seconds=1)] * 2
+    queued = sorted(datetime.fromisoformat(json.loads(m)["args"][0]["scheduled_at"])
+                    for m in rdb.hvals(f"{namespace}:default.msgs"))  # fmt: skip
+    assert queued[0] == caught_up[0]  # nothing older than the three was fired
+    skipped = int((caught_up[0] - (last + timedelta(milliseconds=500))).total_seconds())
+    assert skipped >= 8
+    assert f"schedule runner: every_second: {skipped} missed tick(s) not fired (SCHEDULER_CATCHUP=all)" in logged
+
+
+# -- OUTBOX_POLL_INTERVAL_MIN -------------------------------------------------------------
+
+
+def test_an_idle_relay_polls_first_after_outbox_poll_interval_min_then_backs_off_to_the_max(make_kit, engine):
+    polls: list[tuple[float, int]] = []  # when the relay looked for rows, and how many it got
+
+    def looked(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith("SELECT") and "FOR UPDATE SKIP LOCKED" in statement:
+            polls.append((time.monotonic(), cursor.rowcount))
+
+    sa.event.listen(engine, "after_cursor_execute", looked)
+    env = {"OUTBOX_NOTIFY": "false", "OUTBOX_POLL_INTERVAL_MIN": "200ms", "OUTBOX_POLL_INTERVAL_MAX": "800ms"}
+    kit = make_kit(env=env, engine=engine)
+    kit.relay.start()
+    try:
+        wait_for(lambda: len(polls) >= 5, timeout=10)
+        with engine.begin() as conn:
+            gp.dispatch(conn, Placed(1))
+        busy = wait_for(lambda: next((i for i, (_, rows) in enumerate(polls) if rows), None), timeout=10)
+        wait_for(lambda: len(polls) >= busy + 4, timeout=10)
+    finally:
+        kit.relay.stop()
+        kit.relay.close()
+
+    def gaps(first, count):
+        return [round(polls[i + 1][0] - polls[i][0], 2) for i in range(first, first + count)]
+
+    for gap, expected in zip(gaps(0, 4), [0.2, 0.4, 0.8, 0.8], strict=True):
+        assert expected <= gap <= expected + 0.25, gaps(0, 4)
+    # After a round with rows it looks again at once, then pauses the minimum again.
+    after = gaps(busy, 3)
+    assert after[0] < 0.1, after
+    assert 0.2 <= after[1] <= 0.45 and 0.4 <= after[2] <= 0.65, after
