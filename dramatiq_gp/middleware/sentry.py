@@ -15,21 +15,20 @@ worker process exits. This middleware replaces it:
 * a scheduled job reports Sentry Crons check-ins (in progress, then ok or
   error), with its schedule as the monitor's configuration.
 
-The final failure is captured from ``after_nack``, which Dramatiq runs once it has
-left the ``except`` block around the actor call: building the event reads the
-frames' locals, and inside that block the worker's frame still holds the
-exception, so the exception would sit in a reference cycle until the cyclic
-garbage collector ran. Dramatiq frees it at once, and so does this middleware.
+The event of a final failure leaves out the frames still running when it is
+built (Dramatiq's worker loop): reading their locals would pin the exception in a
+reference cycle (see :func:`_returned_frames`).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from types import FrameType, TracebackType
 from typing import Any
 
 import sentry_sdk
@@ -68,21 +67,6 @@ def monitor_config(entry: Entry) -> dict[str, Any]:
         text = " ".join(entry.spec.text.split()).lower()
         config["schedule"] = {"type": "crontab", "value": DESCRIPTORS.get(text, text)}
     return config
-
-
-@dataclass(slots=True)
-class _Message:
-    """A message's Sentry state, from ``before_process_message`` to its ack or nack."""
-
-    scope_manager: Any
-    scope: sentry_sdk.Scope
-    transaction: Any
-    check_in: tuple[str, str, float] | None
-    #: The final failure, reported from ``after_nack``.
-    failure: BaseException | None = None
-
-    def close(self) -> None:
-        self.scope_manager.__exit__(None, None, None)
 
 
 class Sentry(Middleware):
@@ -124,64 +108,48 @@ class Sentry(Middleware):
             transaction = sentry_sdk.start_transaction(continued)
             transaction.__enter__()
         check_in = self._check_in(message, MonitorStatus.IN_PROGRESS)
-        setattr(message, _STATE, _Message(scope_manager, scope, transaction, check_in))
+        setattr(message, _STATE, (scope_manager, scope, transaction, check_in))
 
     def after_process_message(
         self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
     ) -> None:
-        state: _Message | None = getattr(message, _STATE, None)
-        if state is None:
-            return
-        final = (
-            exception is not None
-            and message.failed
-            and not isinstance(exception, Retry)
-            and not expected_failure(broker, message, exception)
-        )
-        try:
-            if state.check_in is not None:
-                if exception is None:
-                    self._check_in(message, MonitorStatus.OK, state.check_in)
-                elif message.failed:
-                    self._check_in(message, MonitorStatus.ERROR, state.check_in)
-            if state.transaction is not None:
-                state.transaction.set_status("ok" if exception is None else "internal_error")
-                state.transaction.__exit__(None, None, None)
-        finally:
-            if final:
-                state.failure = exception  # the scope stays open until after_nack reports it
-            else:
-                delattr(message, _STATE)
-                state.close()
-
-    def after_nack(self, broker: Broker, message: MessageProxy) -> None:
-        state: _Message | None = getattr(message, _STATE, None)
+        state = getattr(message, _STATE, None)
         if state is None:
             return
         delattr(message, _STATE)
+        scope_manager, scope, transaction, check_in = state
         try:
-            if state.failure is not None:
+            if exception is not None and _final(broker, message, exception):
                 options = sentry_sdk.get_client().options
                 if not self.send_default_pii:
                     options = {**options, "include_local_variables": False}
                 event, hint = event_from_exception(
-                    state.failure, client_options=options, mechanism={"type": "dramatiq", "handled": False}
-                )
-                state.failure = None
-                state.scope.capture_event(event, hint=hint)
+                    _returned_frames(exception), client_options=options,
+                    mechanism={"type": "dramatiq", "handled": False},
+                )  # fmt: skip
+                scope.capture_event(event, hint=hint)
+            if check_in is not None:
+                if exception is None:
+                    self._check_in(message, MonitorStatus.OK, check_in)
+                elif message.failed:
+                    self._check_in(message, MonitorStatus.ERROR, check_in)
+            if transaction is not None:
+                transaction.set_status("ok" if exception is None else "internal_error")
+                transaction.__exit__(None, None, None)
         finally:
-            state.close()
+            scope_manager.__exit__(None, None, None)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        state: _Message | None = getattr(message, _STATE, None)
+        state = getattr(message, _STATE, None)
         if state is None:
             return
         delattr(message, _STATE)
+        scope_manager, _, transaction, _ = state
         try:
-            if state.transaction is not None:
-                state.transaction.__exit__(None, None, None)
+            if transaction is not None:
+                transaction.__exit__(None, None, None)
         finally:
-            state.close()
+            scope_manager.__exit__(None, None, None)
 
     def _check_in(
         self, message: MessageProxy, status: str, check_in: tuple[str, str, float] | None = None
@@ -199,6 +167,31 @@ class Sentry(Middleware):
         slug, check_in_id, started = check_in
         capture_checkin(slug, check_in_id, status, duration=time.monotonic() - started)
         return check_in
+
+
+def _final(broker: Broker, message: MessageProxy, exception: BaseException) -> bool:
+    """Retries gave up: not a ``Retry``, not an exception the actor ``throws``."""
+    return message.failed and not isinstance(exception, Retry) and not expected_failure(broker, message, exception)
+
+
+def _returned_frames(exception: BaseException) -> tuple[type[BaseException], BaseException, TracebackType | None]:
+    """The exception with the frames of its traceback that are still running left out.
+
+    The first ones are Dramatiq's worker loop, inside the ``except`` block that
+    caught it. Building an event reads each frame's locals, and in a running frame
+    that stores a snapshot of them in the frame, the exception included: a
+    reference cycle that would keep it, its traceback and every local alive until
+    the cyclic garbage collector ran. Dramatiq frees it at once, and so must we.
+    """
+    running = set()  # ids, not frames: a set holding this very frame would be a cycle of its own
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    tb = exception.__traceback__
+    while tb is not None and id(tb.tb_frame) in running:
+        tb = tb.tb_next
+    return type(exception), exception, tb
 
 
 def _trace_id(message: MessageProxy) -> str | None:
