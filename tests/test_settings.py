@@ -8,11 +8,9 @@ import logging
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import dramatiq
 import psycopg
@@ -180,12 +178,9 @@ DB_PASSWORD = "p@ss:w/rd %?#"
 
 
 @pytest.fixture(scope="module")
-def password_postgres():
+def password_postgres(tmp_path_factory):
     """A PostgreSQL of this module's own where user ``shop`` must give its password to reach database ``shop``."""
-    # Not under pytest's temporary root: each new pytest session makes that root private
-    # again, which would lock PostgreSQL's own user out of its data directory.
-    directory = tempfile.TemporaryDirectory(prefix="gpt-pg-", ignore_cleanup_errors=True)
-    server = OwnPostgres(Path(directory.name))
+    server = OwnPostgres(tmp_path_factory.mktemp("pg"))
     # First match wins: the superuser (and the start-up check) is trusted, everyone else needs a password.
     (server.data / "pg_hba.conf").write_text(
         "local all postgres trust\nhost all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
@@ -198,7 +193,7 @@ def password_postgres():
         yield server
     finally:
         server.stop()
-        directory.cleanup()
+        server.remove()
 
 
 def _db_parts(env, server, password=DB_PASSWORD):
