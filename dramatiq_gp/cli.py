@@ -425,7 +425,7 @@ def status(as_json: bool) -> None:
     Example:
       dramatiq-gp status --json
     """
-    from .status import outbox_status, queue_status, scheduler_status
+    from .status import outbox_status, queue_status, scheduler_status, skipped_status
 
     settings = _settings()
     client = _redis(settings)
@@ -436,6 +436,7 @@ def status(as_json: bool) -> None:
         "schedulers": [scheduler_status(client, prefix) for prefix in sorted(prefixes)],
         "outbox": None,
         "queues": queue_status(client, namespace),
+        "skipped_task_types": skipped_status(client, namespace),
     }
     if settings.db.configured:
         with _database(settings) as engine:
@@ -462,6 +463,8 @@ def status(as_json: bool) -> None:
     for queue in report["queues"]:
         click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
                    f"{queue['delayed']} delayed, {queue['dead']} dead")  # fmt: skip
+    for task_type, count in report["skipped_task_types"].items():
+        click.echo(f"skipped (no handler, kept as dead letters): {task_type}: {count}")
 
 
 if __name__ == "__main__":
