@@ -147,6 +147,14 @@ class QueueSettings(BaseSettings):
             host, sep, port = self.addr.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"VALKEY_ADDR={self.addr!r} is not host:port")
+        tls_options = [
+            f"VALKEY_{name.upper()}" for name in ("tls_ca_file", "tls_insecure") if name in self.model_fields_set
+        ]
+        if tls_options and not self.connection_url().startswith("rediss://"):
+            # They only apply to a TLS connection; on any other they would be ignored without a word.
+            raise ValueError(
+                f"{', '.join(tls_options)} set but the connection is not TLS: set VALKEY_TLS=true (or use rediss://)"
+            )
         return self
 
     def connection_url(self) -> str:
@@ -204,6 +212,9 @@ class DatabaseSettings(BaseSettings):
         ]
         if self.url is not None and parts:
             raise ValueError(f"set either DB_URL or {', '.join(parts)}, not both")
+        if self.url is None and self.host is None and parts:
+            # Without a host there is no database, and the parts would be ignored without a word.
+            raise ValueError(f"{', '.join(parts)} set without DB_HOST: give DB_HOST (or DB_URL) too")
         return self
 
     @property

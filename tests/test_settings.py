@@ -262,6 +262,31 @@ def test_db_url_beside_any_db_part_is_one_line_naming_both(env, part, value):
         gp.Settings.from_env()
 
 
+@pytest.mark.parametrize(("part", "value"), [("DB_USER", "app"), ("DB_PASSWORD", "hunter2"), ("DB_NAME", "app")])
+def test_a_db_part_without_db_host_is_one_line_not_silently_no_database(env, part, value):
+    env.setenv(part, value)
+    done = _cli("migrate", "status")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == f"Error: invalid configuration: {part} set without DB_HOST: give DB_HOST (or DB_URL) too\n"
+    assert "hunter2" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("env_vars", "named"),
+    [({"VALKEY_TLS_INSECURE": "true"}, "VALKEY_TLS_INSECURE"),
+     ({"VALKEY_TLS_INSECURE": "true", "REDIS_URL": "redis://127.0.0.1:6379/0"}, "VALKEY_TLS_INSECURE")],
+    ids=["addr", "plain-url"],
+)  # fmt: skip
+def test_tls_options_without_tls_are_one_line_not_silently_ignored(env, env_vars, named):
+    for name, value in env_vars.items():
+        env.setenv(name, value)
+    with pytest.raises(gp.ConfigError, match=f"{named} set but the connection is not TLS"):
+        gp.Settings.from_env()
+    env.setenv("VALKEY_TLS", "true")
+    if "REDIS_URL" not in env_vars:
+        assert gp.Settings.from_env().queue.client_options()["ssl_cert_reqs"] == "none"
+
+
 # -- SCHEDULER_CATCHUP_MAX ---------------------------------------------------------------
 
 
