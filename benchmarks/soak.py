@@ -18,7 +18,9 @@ When the time is up the load stops, the system settles, and the ledger is read:
   entry (the ``soak.tick`` job, the ``soak.beat`` event) to the end of the load
   with no run, and ticks run more than once;
 * ``stuck_messages``: messages still ready, in flight or delayed after settling, and
-  ``dead_letters``: messages dead-lettered other than the garbage pushed in;
+  ``dead_letters``: messages dead-lettered other than the garbage pushed in and the
+  messages for the unknown task type (``unknown_task_skipped``: those skipped into
+  the dead-letter set after their grace, as counted for ``dramatiq-gp status``);
 * ``set_aside`` against ``poison_events``; ``rss_mb_start`` (minute 2) and
   ``rss_mb_end``: the largest worker process.
 """
@@ -237,7 +239,7 @@ class Soak:
                 client.hset(f"{self.namespace}:default.msgs", key, data)
                 client.rpush(f"{self.namespace}:default", key)
                 self.garbage += 1
-            # A well-formed message no worker has an actor for: held for the grace period, then skipped.
+            # A well-formed message no worker has an actor for: held for the grace period, then dead-lettered.
             key = f"unknown-{uuid.uuid4().hex}"
             unknown = dramatiq.Message(queue_name="default", actor_name="soak.no_such_actor", args=(), kwargs={},
                                        options={"redis_message_id": key})  # fmt: skip
@@ -319,13 +321,14 @@ class Soak:
         diagnosis = self._diagnose(lost_orders[:5]) if lost_orders else []
         import redis
 
-        from dramatiq_gp.status import queue_status
+        from dramatiq_gp.status import queue_status, skipped_status
 
         client = redis.Redis.from_url(self.redis.url)
         queues = queue_status(client, self.namespace)
         stuck = [q for q in queues if q["ready"] + q["in_flight"] + q["delayed"]]
-        # Dead letters other than the garbage pushed in: messages that failed every retry.
-        dead_letters = sum(q["dead"] for q in queues) - self.garbage
+        skipped = skipped_status(client, self.namespace).get("soak.no_such_actor", 0)
+        # Dead letters other than those pushed in on purpose: messages that failed every retry.
+        dead_letters = sum(q["dead"] for q in queues) - self.garbage - skipped
         if stuck:  # where the stuck ones are: whose unacked sets, and whether those workers still beat
             now = time.time() * 1000
             beats = {
@@ -365,6 +368,7 @@ class Soak:
             "set_aside": int(set_aside),
             "garbage_messages": self.garbage,
             "unknown_task_messages": self.unknown,
+            "unknown_task_skipped": skipped,
         }
 
     def _ticks_missed(self, runs: dict[datetime, int]) -> int:

@@ -26,3 +26,4 @@ def test_the_shop_keeps_every_promise_through_faults(tmp_path: Path) -> None:
     assert (result["ticks_missed"], result["ticks_duplicated"]) == (0, 0), result
     assert (result["stuck_messages"], result["outbox_pending"], result["dead_letters"]) == (0, 0, 0), result
     assert result["set_aside"] == result["poison_events"], result
+    assert result["unknown_task_skipped"] == result["unknown_task_messages"], result  # dead-lettered, counted
