@@ -325,7 +325,7 @@ class Broker(RedisBroker):
         elif copy is not None:
             self.emit_after("enqueue", copy, plan.delay_ms)
 
-    def set_aside_undecodable(self, queue_name: str, data: bytes) -> int:
+    def set_aside_malformed(self, queue_name: str, data: bytes) -> int:
         """Dead-letter a fetched message that cannot be decoded or is malformed (it never reaches a worker thread).
 
         Left unacknowledged, it would come back after every heartbeat timeout for
@@ -487,7 +487,7 @@ class _Consumer(_RedisConsumer):
         self._ready.extend(accepted)
 
     def _set_aside(self, data: bytes, problem: str) -> None:
-        moved = self.broker.set_aside_undecodable(self.queue_name, data)
+        moved = self.broker.set_aside_malformed(self.queue_name, data)
         # The bytes stay out of the line (they may be a payload); they are kept in the dead-letter set.
         logger.error(
             "a message on queue %r is malformed: %s; %s", self.queue_name, problem,

@@ -191,6 +191,27 @@ def test_a_leader_that_lost_the_lease_fires_nothing_even_if_it_tries(runner_kit,
     wait_for(lambda: not runner.lease.is_held(), timeout=5)  # the renewal noticed too
 
 
+def test_a_firing_that_finds_the_lease_gone_gives_up_leading_instead_of_retrying_at_once(
+    runner_kit, rdb, namespace, caplog
+):
+    # The default 15 s lease: the next renewal, which would notice, is up to 5 s away.
+    kit = runner_kit(lambda registry, schedule: schedule.job("j", "@every 1s", lambda: None),
+                     env={"SCHEDULER_LEASE_TTL": "15s"})  # fmt: skip
+    runner = kit.scheduler
+    runner.start()
+    wait_for(lambda: _queued(rdb, namespace), timeout=5)
+    epoch = runner.lease.epoch
+    with caplog.at_level(logging.WARNING, logger="dramatiq_gp"):
+        rdb.delete(f"{namespace}:scheduler:lease")  # Redis lost the key (restarted without persistence, failed over)
+        wait_for(lambda: not runner.lease.is_held(), timeout=3)
+        time.sleep(1)
+        refused = [r for r in caplog.records if "no longer holds the lease" in r.getMessage()]
+        assert len(refused) == 1, len(refused)  # not a Lua call and a warning in a loop until the renewal
+    wait_for(lambda: runner.lease.is_held() and runner.lease.epoch > epoch, timeout=10)  # it contends again
+    fired = len(_queued(rdb, namespace))
+    wait_for(lambda: len(_queued(rdb, namespace)) > fired, timeout=5)
+
+
 def test_two_namespaces_on_one_redis_elect_independently(runner_kit, rdb, namespace):
     one = runner_kit(lambda r, s: s.job("j", "@every 1s", lambda: None), env={"SCHEDULER_NAMESPACE": f"{namespace}-a"})
     two = runner_kit(lambda r, s: s.job("j", "@every 1s", lambda: None), env={"SCHEDULER_NAMESPACE": f"{namespace}-b"})

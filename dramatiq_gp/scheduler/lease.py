@@ -153,15 +153,16 @@ class Lease:
         except redis.RedisError as exc:
             self._warn(exc)
             if time.monotonic() >= self._deadline:
-                self._lose("the lease ran out without a confirmed renewal")
+                self.lose("the lease ran out without a confirmed renewal")
             return
         self._warned = False
         if renewed:
             self._deadline = sent + self._valid_for()
         else:
-            self._lose("another process holds the lease")
+            self.lose("another process holds the lease")
 
-    def _lose(self, why: str) -> None:
+    def lose(self, why: str) -> None:
+        """Stop leading now: the lease was found taken or gone (by a renewal, or by a firing)."""
         with self._lock:
             if self.value is None:
                 return

@@ -269,6 +269,8 @@ class Runner:
             span.set_attribute("dramatiq_gp.schedule.outcome", outcome)
         if result == -1:
             self.logger.warning("schedule runner: %s not fired: this process no longer holds the lease", entry.name)
+            # Until the next renewal (up to a third of the TTL away) the timer would try again at once, in a loop.
+            self.lease.lose("a firing found it taken or gone")
             return False
         if outcome == "fired" and catching_up:
             outcome = "caught_up"
