@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import dramatiq_gp as gp  # noqa: E402
 from devtools.services import services  # noqa: E402
+from helpers import own_database  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -42,15 +43,8 @@ def redis_url(service_env: dict[str, str]) -> str:
 @pytest.fixture(scope="session")
 def database_url(service_env: dict[str, str]) -> Iterator[str]:
     """A database of this test session's own on the PostgreSQL server, dropped at the end."""
-    server = sa.make_url(service_env["DB_URL"])
-    name = f"gpt_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE {name}"))
-    yield server.set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
+    with own_database(service_env["DB_URL"]) as url:
+        yield url
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 import sqlalchemy as sa
 
 import dramatiq_gp as gp
-from helpers import wait_for
+from helpers import own_database, wait_for
 from servers import OwnRedis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,15 +120,8 @@ def _succeeded(done: list[subprocess.CompletedProcess[str]]) -> None:
 @pytest.fixture
 def empty_database(service_env):
     """A database of this test's own with no outbox table yet."""
-    server = sa.make_url(service_env["DB_URL"])
-    name = f"gpt_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE {name}"))
-    yield server.set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
+    with own_database(service_env["DB_URL"]) as url:
+        yield url
 
 
 @pytest.fixture
