@@ -1,13 +1,17 @@
-"""dramatiq-gp: Dramatiq as a complete background-work chassis.
+"""dramatiq-gp: Dramatiq as a complete background-work chassis, as a middleware bundle.
 
-Everything an application uses is importable from here.
+Everything an application uses is importable from here: the broker and the
+middleware (listed in a broker's middleware list, or all at once with
+:func:`default_middleware`), the :class:`Kit` preset, events, listeners, the
+schedule and the errors.
 """
 
 import importlib
 from typing import Any
 
-from .broker import Broker
+from .brokers.redis import RedisBroker
 from .errors import (
+    BrokerMismatch,
     BrokerUnreachable,
     ConfigError,
     EventEncodeError,
@@ -16,78 +20,67 @@ from .errors import (
     HandlerPanic,
     RegistrationError,
 )
-from .events import EventType, event, event_type
-from .kit import Kit, RegisterFunc, current_kit, dispatch
+from .events import event, event_type
+from .kit import Kit, RegisterFunc, dispatch
 from .middleware import (
-    ClaimUnavailable,
     IdempotentExecution,
+    Lifecycle,
+    Listeners,
     Metrics,
+    OutboxRelay,
     PanicRecovery,
     QueueWeights,
     Retries,
+    SchedulerLease,
     TaskLog,
     Tracing,
     WeightedQueue,
+    default_middleware,
 )
-from .registry import Envelope, Listener, Registry, current_envelope, default_registry, fan_out_id, listener
-from .scheduler import CronError, Schedule, ScheduleError
-from .settings import (
-    DatabaseSettings,
-    LogSettings,
-    OtelSettings,
-    OutboxSettings,
-    QueueSettings,
-    SchedulerSettings,
-    SentrySettings,
-    Settings,
-    WorkerSettings,
-)
+from .names import fan_out_id
+from .registry import Envelope, Registry, current_envelope, listener
+from .scheduler import CronError, Schedule, ScheduleError, job
+from .settings import Settings
 from .telemetry import Telemetry
 
 __all__ = [
-    "Broker",
+    "BrokerMismatch",
     "BrokerUnreachable",
-    "ClaimUnavailable",
     "ConfigError",
     "CronError",
-    "DatabaseSettings",
     "Envelope",
     "EventEncodeError",
     "EventError",
-    "EventType",
     "GPError",
     "HandlerPanic",
     "IdempotentExecution",
     "Kit",
-    "Listener",
-    "LogSettings",
+    "Lifecycle",
+    "Listeners",
     "Metrics",
-    "OtelSettings",
-    "OutboxSettings",
+    "OutboxRelay",
     "PanicRecovery",
-    "QueueSettings",
     "QueueWeights",
+    "RedisBroker",
     "RegisterFunc",
     "RegistrationError",
     "Registry",
     "Retries",
     "Schedule",
     "ScheduleError",
-    "SchedulerSettings",
-    "SentrySettings",
+    "SchedulerLease",
     "Settings",
     "TaskLog",
     "Telemetry",
     "Tracing",
     "WeightedQueue",
-    "WorkerSettings",
     "current_envelope",
-    "current_kit",
-    "default_registry",
+    "default_middleware",
     "dispatch",
     "event",
     "event_type",
     "fan_out_id",
+    "job",
     "listener",
     "outbox",
 ]

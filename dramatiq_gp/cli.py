@@ -21,6 +21,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import click
 import redis
 
+from . import keys
 from .errors import ConfigError
 from .scheduler.cron import CronError, parse
 from .settings import Settings
@@ -254,8 +255,9 @@ def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
     spec_text, zone_name = entry_or_spec, tz or settings.scheduler.timezone
     if not entry_or_spec.startswith("@") and len(entry_or_spec.split()) == 1:  # an entry name
         client = _redis(settings)
-        prefix = f"{settings.scheduler.namespace or settings.queue.namespace}:scheduler"
-        published = client.hget(prefix + ":entries", entry_or_spec)
+        scheduler = keys.SchedulerKeys(settings.scheduler.namespace or settings.queue.namespace)
+        prefix = scheduler.prefix
+        published = client.hget(scheduler.entries, entry_or_spec)
         if published is None:
             _fail(f"no schedule entry {entry_or_spec!r} published under {prefix!r}; give a cron spec instead")
         text = published.decode() if isinstance(published, bytes) else str(published)
@@ -430,10 +432,11 @@ def status(as_json: bool) -> None:
     settings = _settings()
     client = _redis(settings)
     namespace = settings.queue.namespace
-    prefixes = {f"{settings.scheduler.namespace or namespace}:scheduler"}
-    prefixes |= {key.decode()[: -len(":entries")] for key in client.scan_iter("*:scheduler:entries", count=1000)}
+    schedulers = {keys.SchedulerKeys(settings.scheduler.namespace or namespace)}
+    found = client.scan_iter(keys.ALL_SCHEDULER_ENTRIES, count=1000)
+    schedulers |= {keys.SchedulerKeys.from_entries_key(key.decode()) for key in found}
     report: dict[str, Any] = {
-        "schedulers": [scheduler_status(client, prefix) for prefix in sorted(prefixes)],
+        "schedulers": [scheduler_status(client, s) for s in sorted(schedulers, key=lambda s: s.namespace)],
         "outbox": None,
         "queues": queue_status(client, namespace),
         "skipped_task_types": skipped_status(client, namespace),

@@ -10,6 +10,7 @@ from types import FrameType
 from typing import ParamSpec, TypeVar
 
 from dramatiq import cli
+from dramatiq.middleware import MiddlewareError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -40,6 +41,14 @@ class RegistrationError(GPError, ValueError):
 
 class BrokerUnreachable(GPError, ConnectionError):
     """Redis/Valkey did not answer at start-up."""
+
+
+class BrokerMismatch(GPError, MiddlewareError):
+    """A middleware that needs :class:`dramatiq_gp.RedisBroker` was given another broker.
+
+    A ``MiddlewareError``, so Dramatiq lets it out of the hook that found it instead
+    of logging and swallowing it: nothing may run half-wired.
+    """
 
 
 class HandlerPanic(GPError):

@@ -9,7 +9,6 @@ reaching their listeners. Payloads are encoded and decoded by pydantic, so
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,9 +17,9 @@ from pydantic.errors import PydanticSchemaGenerationError
 from pydantic_core import PydanticSerializationError
 
 from .errors import EventEncodeError, EventError, one_line_at_start_up
+from .names import NAME
 
 #: Wire names (and listener names) become part of actor names, where ``:`` separates parts.
-NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 T = TypeVar("T")
 

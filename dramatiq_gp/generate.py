@@ -15,13 +15,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import GPError
 from .scheduler.cron import CronError, parse
 
 _SNAKE = re.compile(r"[a-z][a-z0-9_]*")
 _CAMEL = re.compile(r"[A-Z][A-Za-z0-9]*")
 
 
-class GenerateError(Exception):
+class GenerateError(GPError):
     """A generator cannot do what was asked; nothing was written."""
 
 

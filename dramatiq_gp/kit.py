@@ -1,4 +1,4 @@
-"""The worker chassis: one object that builds the broker, the registry and the schedule.
+"""The Kit: a preset of the kit's middleware on its broker, configured from the environment.
 
 An application's ``app/worker.py``::
 
@@ -10,33 +10,36 @@ An application's ``app/worker.py``::
     kit = gp.Kit(register).with_closer("database", engine.dispose)
     broker = kit.broker
 
-and ``dramatiq app.worker`` runs it. Dramatiq imports that module in every worker
-process, so everything here is built in the process that uses it; threads start
-from Dramatiq's boot hooks, never at import.
+and ``dramatiq app.worker`` runs it. The Kit builds a :class:`~dramatiq_gp.RedisBroker`
+from ``VALKEY_*``/``REDIS_URL`` with :func:`~dramatiq_gp.default_middleware`, the
+same list a hand-built broker can take, and adds what the middleware list cannot
+hold: the register callback, a schedule of its own (which takes in the
+module-level ``@dramatiq_gp.job`` entries), the application's closers, and
+:meth:`Kit.dispatch`. Dramatiq imports that module in every worker process, so
+everything here is built in the process that uses it; threads start from
+Dramatiq's boot hooks, never at import.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 from uuid import uuid4
 
 import dramatiq
 import redis
 from dramatiq import Middleware
-from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
 from opentelemetry import trace
 
-from .broker import Broker
+from .brokers.redis import RedisBroker
 from .errors import BrokerUnreachable, GPError, one_line_at_start_up
-from .lifecycle import Closer, Closers, Lifecycle, Producer
-from .middleware import IdempotentExecution, Metrics, PanicRecovery, QueueWeights, Retries, TaskLog, Tracing
+from .middleware import Lifecycle, OutboxRelay, SchedulerLease, default_middleware
+from .middleware.lifecycle import Closer
 from .registry import Registry, default_registry
-from .scheduler import Runner, Schedule
-from .scheduler.schedule import Entry
+from .scheduler import Runner, Schedule, default_schedule
 from .settings import Settings
-from .telemetry import Telemetry, configure_logging
+from .telemetry import Telemetry
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RegisterFunc = Callable[[Registry, Schedule], None]
+M = TypeVar("M", bound=Middleware)
 
 #: Seconds to wait for Redis to accept a connection before calling it unreachable.
 CONNECT_TIMEOUT_S = 5
@@ -54,19 +58,15 @@ CONNECT_TIMEOUT_S = 5
 _current: Kit | None = None
 
 
-def _ms(value: Any) -> int:
-    return int(value.total_seconds() * 1000)
-
-
 class Kit:
-    """Builds and runs a worker: broker, middleware, listeners, schedule and closers.
+    """Builds a worker's broker with the kit's middleware, listeners, schedule and closers.
 
     Parameters:
         register: called once with the registry and the schedule; each module of the
             application adds its listeners and jobs there, with its dependencies.
         settings: defaults to :meth:`Settings.from_env`.
         registry: defaults to the one module-level ``@dramatiq_gp.listener`` functions join.
-        broker_options: extra keyword arguments for Dramatiq's ``RedisBroker``
+        broker_options: extra keyword arguments for :class:`~dramatiq_gp.RedisBroker`
             (``namespace``, ``heartbeat_timeout``, ``client``...).
         middleware: extra Dramatiq middleware, added after the kit's own.
         engine: the database holding the outbox; defaults to one built from ``DB_*``.
@@ -93,26 +93,31 @@ class Kit:
     ) -> None:
         global _current
         self.settings = settings if settings is not None else Settings.from_env()
-        configure_logging(self.settings.log, send_default_pii=self.settings.sentry.send_default_pii)
-        namespace = (broker_options or {}).get("namespace") or self.settings.queue.namespace
+        options = dict(broker_options or {})
+        namespace = options.setdefault("namespace", self.settings.queue.namespace)
         self.telemetry = Telemetry(self.settings, namespace=namespace, tracer_provider=tracer_provider)
-        logger.info(
-            "start-up: logging ready (level %s, %s); tracing %s, metrics %s, Sentry %s",
-            logging.getLevelName(logging.getLogger().level), self.settings.log.format,
-            *("on" if on else "off" for on in (self.telemetry.tracing, self.telemetry.metrics, self.telemetry.sentry)),
-        )  # fmt: skip
-        self._closers = Closers()
-        self._producers: list[Producer] = []
-        self.broker = self._build_broker(dict(broker_options or {}), middleware)
-        self._closers.kit.append(("queue client", self.broker.client.connection_pool.disconnect))
-        dramatiq.set_broker(self.broker)
-        self.engine, self.relay = self._build_outbox(engine)
         self.registry = registry if registry is not None else default_registry
+        self.schedule = Schedule(self.settings.scheduler.timezone)
+        self.schedule.include(default_schedule)
+        self.engine = engine if engine is not None else self._database()
+        stack = default_middleware(
+            self.settings, registry=self.registry, schedule=self.schedule, engine=self.engine, telemetry=self.telemetry
+        )
+        self.lifecycle = _find(stack, Lifecycle)
+        if engine is None and self.engine is not None:
+            self.lifecycle.closers.kit.append(("outbox database", self.engine.dispose))
+        self.broker = self._build_broker(options, [*stack, *middleware])
+        self.lifecycle.closers.kit.append(("queue client", self.broker.client.connection_pool.disconnect))
+        dramatiq.set_broker(self.broker)
         self.registry.bind(self.broker)
-        self.schedule = Schedule(self.settings.scheduler.timezone, known_options=self.broker.actor_options)
+        self.schedule.check_options(self.broker.actor_options)
         if register is not None:
             register(self.registry, self.schedule)
-        self.scheduler = self._build_scheduler()
+        #: The schedule runner of this process (``None`` for an empty schedule, which starts no election).
+        self.scheduler: Runner | None = _find(stack, SchedulerLease).bind(self.broker)
+        relay = next((m for m in stack if isinstance(m, OutboxRelay)), None)
+        #: The outbox relay of this process, if it has a database and ``OUTBOX_RELAY`` is on.
+        self.relay: Relay | None = relay.bind(self.broker) if relay is not None else None
         listeners = self.registry.listeners()
         logger.info(
             "start-up: registered %d listener(s) for %d event type(s), %d schedule entr%s",
@@ -123,7 +128,7 @@ class Kit:
 
     def with_closer(self, name: str, close: Closer) -> Kit:
         """Run ``close()`` at shutdown, after in-flight tasks drained (last added, first run)."""
-        self._closers.app.append((name, close))
+        self.lifecycle.with_closer(name, close)
         return self
 
     @overload
@@ -167,107 +172,29 @@ class Kit:
             self.broker.client.ping()
         except redis.RedisError as exc:
             raise BrokerUnreachable(f"Redis/Valkey unreachable at {self.settings.queue.display()}: {exc}") from None
-        logger.info("start-up: broker reachable at %s", self.settings.queue.display())
 
-    def _build_outbox(self, engine: sa.Engine | None) -> tuple[sa.Engine | None, Relay | None]:
-        if engine is None and not self.settings.db.configured:
-            return None, None  # SQLAlchemy is not even imported without a database
+    def _database(self) -> sa.Engine | None:
+        if not self.settings.db.configured:
+            return None  # SQLAlchemy is not even imported without a database
         import sqlalchemy as sa
 
-        from .outbox import Relay, set_notify
+        db = self.settings.db
+        return sa.create_engine(db.sqlalchemy_url(), pool_size=db.pool_size, pool_pre_ping=True)
 
-        if engine is None:
-            db = self.settings.db
-            engine = sa.create_engine(db.sqlalchemy_url(), pool_size=db.pool_size, pool_pre_ping=True)
-            self._closers.kit.append(("outbox database", engine.dispose))
-        set_notify(self.settings.outbox.notify)
-        if not self.settings.outbox.relay:
-            return engine, None
-        relay = Relay(engine=engine, broker=self.broker, settings=self.settings.outbox)
-        self._producers.append(relay)
-        self._closers.kit.append((relay.name, relay.close))
-        return engine, relay
-
-    def _build_scheduler(self) -> Runner | None:
-        if not self.schedule:  # an empty schedule starts no leader election
-            return None
-        runner = Runner(
-            schedule=self.schedule,
-            broker=self.broker,
-            registry=self.registry,
-            settings=self.settings.scheduler,
-            namespace=self.settings.scheduler.namespace or self.broker.namespace,
-            tracer_provider=self.telemetry.tracer_provider,
-        )
-        self._producers.insert(0, runner)  # stops first: no firing while the relay winds down
-        return runner
-
-    def _build_broker(self, options: dict[str, Any], extra: Sequence[Middleware]) -> Broker:
-        worker, queue = self.settings.worker, self.settings.queue
+    def _build_broker(self, options: dict[str, Any], middleware: list[Middleware]) -> RedisBroker:
+        queue = self.settings.queue
         client = options.pop("client", None) or redis.Redis.from_url(
             queue.connection_url(),
             socket_connect_timeout=CONNECT_TIMEOUT_S,
             health_check_interval=30,
             **queue.client_options(),
         )
-        namespace = options.setdefault("namespace", queue.namespace)
-        lifecycle = Lifecycle(
-            telemetry=self.telemetry,
-            check_connection=self.check_connection,
-            producers=self._producers,
-            closers=self._closers,
-            shutdown_timeout_ms=_ms(worker.shutdown_timeout) if worker.shutdown_timeout is not None else None,
-        )
-        # Order matters: Dramatiq runs before-hooks in this order and after-hooks in
-        # reverse, so the lifecycle sees everything first and last, every message
-        # (a skipped duplicate too) gets a span and a Sentry scope, a retry is sent
-        # from inside its span, and the task log, metrics and Sentry read Retries' verdict.
-        idempotency = IdempotentExecution(
-            client=client, key_prefix=f"{namespace}:gp:done:", retention_ms=_ms(worker.dedup_retention)
-        )
-        tracing = Tracing(self.telemetry.tracer_provider) if self.telemetry.tracing else None
-        middleware: list[Middleware] = [
-            lifecycle,
-            *([tracing] if tracing else []),
-            *self._sentry_middleware(),
-            *([Metrics()] if self.telemetry.metrics else []),
-            *([QueueWeights(worker.queues, strict=worker.strict_priority)] if worker.queues else []),
-            idempotency,
-            TaskLog(),
-            PanicRecovery(),
-            AgeLimit(),
-            TimeLimit(),
-            ShutdownNotifications(),
-            Callbacks(),
-            Pipelines(),
-            Retries(
-                max_retries=worker.max_retries,
-                min_backoff=_ms(worker.min_backoff),
-                max_backoff=_ms(worker.max_backoff),
-            ),
-            *extra,
-        ]
-        broker = Broker(
-            client=client,
-            middleware=middleware,
-            unknown_task_grace_ms=_ms(worker.unknown_task_grace),
-            **options,
-        )
-        broker.on_fetch = idempotency.claim
-        if tracing is not None:
-            broker.on_send_failed = tracing.send_failed
-        return broker
+        grace_ms = int(self.settings.worker.unknown_task_grace.total_seconds() * 1000)
+        return RedisBroker(client=client, middleware=middleware, unknown_task_grace_ms=grace_ms, **options)
 
-    def _sentry_middleware(self) -> list[Middleware]:
-        if not self.telemetry.sentry:
-            return []
-        from .middleware.sentry import Sentry
 
-        def job_entry(name: str) -> Entry | None:
-            return next((entry for entry in self.schedule if entry.name == name and entry.handler), None)
-
-        sentry = self.settings.sentry
-        return [Sentry(send_default_pii=sentry.send_default_pii, job_entry=job_entry if sentry.crons else None)]
+def _find(middleware: Sequence[Middleware], kind: type[M]) -> M:
+    return next(m for m in middleware if isinstance(m, kind))
 
 
 def current_kit() -> Kit:

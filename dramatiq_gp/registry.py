@@ -17,36 +17,23 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
-from uuid import UUID, uuid5
 
 from dramatiq import Actor, Broker, Message
 
 from .errors import RegistrationError, one_line_at_start_up
-from .events import NAME, EventType, event_type
+from .events import EventType, event_type
+from .names import NAME, event_actor, fan_out_id, listener_actor
 from .settings import QUEUE_NAME
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Namespace of the fan-out message ids (uuid5 of envelope id and actor name).
-FAN_OUT_NAMESPACE = UUID("6b1f3c6e-3d2a-5e0c-9a51-2f2b8f1d6a10")
-
 #: The queue of the ``event:<event>`` fan-out messages.
 EVENT_QUEUE = "default"
-
-
-def event_actor_name(event_name: str) -> str:
-    """The actor that fans out events named ``event_name``."""
-    return f"event:{event_name}"
-
-
-def fan_out_id(envelope_id: str, actor_name: str) -> str:
-    """The message id of ``actor_name``'s copy of envelope ``envelope_id``."""
-    return str(uuid5(FAN_OUT_NAMESPACE, f"{envelope_id}/{actor_name}"))
 
 
 @dataclass(frozen=True)
@@ -95,7 +82,7 @@ class Listener:
 
     @property
     def actor_name(self) -> str:
-        return f"listener:{self.event.name}:{self.name}"
+        return listener_actor(self.event.name, self.name)
 
 
 class Registry:
@@ -219,30 +206,40 @@ class Registry:
 
         run.__module__ = getattr(handler, "__module__", None) or __name__
         run.__name__ = run.__qualname__ = listener.name
+        idempotent = idempotent_option(broker)
         Actor(
             run,
             broker=broker,
             actor_name=listener.actor_name,
             queue_name=listener.queue,
             priority=listener.priority,
-            options={"idempotent": True, **listener.options},
+            options={**idempotent, **listener.options},
         )
-        fan_out_actor = event_actor_name(listener.event.name)
+        fan_out_actor = event_actor(listener.event.name)
         if fan_out_actor not in broker.actors:
 
             def fan_out(envelope: dict[str, Any]) -> None:
-                messages = self.messages_for(envelope)
-                if messages:
-                    broker.enqueue_many(messages)  # type: ignore[attr-defined]
+                send_all(broker, self.messages_for(envelope))
 
-            Actor(
-                fan_out,
-                broker=broker,
-                actor_name=fan_out_actor,
-                queue_name=EVENT_QUEUE,
-                priority=0,
-                options={"idempotent": True},
-            )
+            Actor(fan_out, broker=broker, actor_name=fan_out_actor, queue_name=EVENT_QUEUE, priority=0,
+                  options=idempotent)  # fmt: skip
+
+
+def idempotent_option(broker: Broker) -> dict[str, Any]:
+    """``idempotent=True`` for the kit's actors, where the broker has :class:`~dramatiq_gp.IdempotentExecution`."""
+    return {"idempotent": True} if "idempotent" in broker.actor_options else {}
+
+
+def send_all(broker: Broker, messages: Sequence[Message[Any]]) -> None:
+    """Send ``messages``: in one round trip, all or none, on the kit's broker; one by one on another."""
+    if not messages:
+        return
+    enqueue_many = getattr(broker, "enqueue_many", None)
+    if enqueue_many is not None:
+        enqueue_many(messages)
+        return
+    for message in messages:
+        broker.enqueue(message)
 
 
 def _check_handler(where: str, handler: object) -> None:

@@ -13,6 +13,7 @@ from zoneinfo import ZoneInfo
 
 import redis
 
+from . import keys
 from .scheduler.cron import parse
 
 
@@ -20,18 +21,18 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def scheduler_status(client: redis.Redis, prefix: str, now: datetime | None = None) -> dict[str, Any]:
+def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: datetime | None = None) -> dict[str, Any]:
     """The leader (host, pid, epoch, lease expiry) and each published entry's next and last fire."""
     now = now or datetime.now(UTC)
-    info = {_text(k): _text(v) for k, v in client.hgetall(f"{prefix}:leader").items()}
-    ttl_ms = client.pttl(f"{prefix}:lease")
+    info = {_text(k): _text(v) for k, v in client.hgetall(scheduler.leader).items()}
+    ttl_ms = client.pttl(scheduler.lease)
     leader = None
     if info and ttl_ms > 0:
         leader = {"host": info["host"], "pid": int(info["pid"]), "epoch": int(info["epoch"]),
                   "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat()}  # fmt: skip
-    last = {_text(k): int(v) for k, v in client.hgetall(f"{prefix}:last_fired").items()}
+    last = {_text(k): int(v) for k, v in client.hgetall(scheduler.last_fired).items()}
     entries = []
-    for name, spec_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(f"{prefix}:entries").items()):
+    for name, spec_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(scheduler.entries).items()):
         spec, _, zone = spec_zone.rpartition("|")
         last_ms = last.get(name)
         entries.append({
@@ -39,25 +40,24 @@ def scheduler_status(client: redis.Redis, prefix: str, now: datetime | None = No
             "next_fire": parse(spec).next_after(now, ZoneInfo(zone)).isoformat(),
             "last_fired": datetime.fromtimestamp(last_ms / 1000, UTC).isoformat() if last_ms is not None else None,
         })  # fmt: skip
-    return {"namespace": prefix.removesuffix(":scheduler"), "leader": leader, "entries": entries}
+    return {"namespace": scheduler.namespace, "leader": leader, "entries": entries}
 
 
 def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
     """Per queue: messages ready, in flight (fetched, not yet acked), delayed and dead-lettered."""
     names = set()
-    for key in client.scan_iter(f"{namespace}:*.msgs", count=1000):
-        name = _text(key)[len(namespace) + 1 : -len(".msgs")]
+    for key in client.scan_iter(keys.all_messages(namespace), count=1000):
+        name = _text(key)[len(namespace) + 1 : -len(keys.MESSAGES)]
         names.add(name.removesuffix(".DQ").removesuffix(".XQ"))
-    for key in client.scan_iter(f"{namespace}:*.XQ", count=1000):
+    for key in client.scan_iter(keys.all_dead(namespace), count=1000):
         names.add(_text(key)[len(namespace) + 1 : -len(".XQ")])
     queues = []
     for name in sorted(n for n in names if not n.startswith("__")):
-        base = f"{namespace}:{name}"
         with client.pipeline(transaction=False) as pipe:
-            pipe.llen(base)
-            pipe.hlen(f"{base}.msgs")
-            pipe.hlen(f"{base}.DQ.msgs")
-            pipe.zcard(f"{base}.XQ")
+            pipe.llen(keys.queue(namespace, name))
+            pipe.hlen(keys.messages(namespace, name))
+            pipe.hlen(keys.delay_messages(namespace, name))
+            pipe.zcard(keys.dead(namespace, name))
             ready, stored, delayed, dead = pipe.execute()
         queues.append({"name": name, "ready": ready, "in_flight": max(stored - ready, 0),
                        "delayed": delayed, "dead": dead})  # fmt: skip
@@ -66,23 +66,16 @@ def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
 
 def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int]:
     """Per task type, the messages skipped for want of a handler (in the dead-letter sets, last 7 days)."""
-    return {_text(k): int(v) for k, v in sorted(client.hgetall(f"{namespace}:gp:skipped").items())}
+    return {_text(k): int(v) for k, v in sorted(client.hgetall(keys.skipped(namespace)).items())}
 
 
 def outbox_status(engine: Any) -> dict[str, Any]:
     """Pending rows, the age of the oldest, and rows set aside."""
-    import sqlalchemy as sa
+    from .outbox.admin import backlog, set_aside_count
 
-    from .outbox.table import OUTBOX_EVENTS
-
-    t = OUTBOX_EVENTS.c
-    with engine.connect() as conn:
-        pending, oldest = conn.execute(
-            sa.select(sa.func.count(), sa.func.min(t.created_at)).where(t.published_at.is_(None), t.failed_at.is_(None))
-        ).one()
-        set_aside = conn.execute(sa.select(sa.func.count()).where(t.failed_at.is_not(None))).scalar_one()
-    age = None
-    if oldest is not None:
-        oldest = oldest if oldest.tzinfo else oldest.replace(tzinfo=UTC)
-        age = round(max((datetime.now(UTC) - oldest).total_seconds(), 0.0), 3)
-    return {"pending": int(pending), "oldest_pending_age_s": age, "set_aside": int(set_aside)}
+    pending, age = backlog(engine)
+    return {
+        "pending": pending,
+        "oldest_pending_age_s": round(age, 3) if age is not None else None,
+        "set_aside": set_aside_count(engine),
+    }

@@ -235,6 +235,9 @@ def application_meter_provider() -> bool:
 class Telemetry:
     """What one worker process exports, checked when the Kit is built and started after the fork.
 
+    Building it configures logging (:func:`configure_logging`), so every later
+    start-up line has its final format.
+
     Parameters:
         settings: the ``LOG_*``, ``OTEL_*`` and ``SENTRY_*`` groups are read.
         namespace: names the Prometheus snapshot directory, so two apps on one host keep theirs apart.
@@ -249,6 +252,7 @@ class Telemetry:
         self, settings: Settings, *, namespace: str, tracer_provider: trace.TracerProvider | None = None
     ) -> None:
         self.settings = settings
+        configure_logging(settings.log, send_default_pii=settings.sentry.send_default_pii)
         #: The application's own provider for the kit's spans; ``None`` means the global one.
         self.tracer_provider = tracer_provider
         self.namespace = namespace
@@ -270,6 +274,11 @@ class Telemetry:
         self._started_pid: int | None = None
         self._flushed = False
         self._endpoint: Any = None
+        logger.info(
+            "start-up: logging ready (level %s, %s); tracing %s, metrics %s, Sentry %s",
+            logging.getLevelName(logging.getLogger().level), settings.log.format,
+            *("on" if on else "off" for on in (self.tracing, self.metrics, self.sentry)),
+        )  # fmt: skip
 
     def start(self) -> None:
         """Install this process's exporters, meter and Sentry client; once per process."""

@@ -100,7 +100,6 @@ def test_sigterm_drains_the_running_listener_then_runs_closers_lifo(run_dramatiq
         "start-up: broker reachable at ",
         "start-up: consumers started on default with 2 threads",
         "task started task_type=listener:test.app.slow:slow",
-        "shutdown: stopping producers",
         "shutdown: draining in-flight tasks (up to 10m)",
         "task done task_type=listener:test.app.slow:slow",
         "shutdown: in-flight tasks drained",
@@ -111,7 +110,7 @@ def test_sigterm_drains_the_running_listener_then_runs_closers_lifo(run_dramatiq
         "shutdown: closed first",
         "shutdown: flushing telemetry",
     )
-    for step in ("start-up: broker reachable", "shutdown: stopping producers", "shutdown: running closers"):
+    for step in ("start-up: broker reachable", "shutdown: draining", "shutdown: running closers"):
         assert worker.log.count(step) == 1, step
 
 

@@ -75,7 +75,7 @@ def test_a_dead_workers_unacked_messages_come_back_soon_after_its_heartbeat_time
     for n in range(5):
         orphaned.send(n)
     # Another worker fetches them, then dies without a word.
-    dead = gp.Broker(client=kit.broker.client, namespace=kit.broker.namespace, middleware=[])
+    dead = gp.RedisBroker(client=kit.broker.client, namespace=kit.broker.namespace, middleware=[])
     assert len(dead.do_fetch("default", 10)) == 5
     started = time.monotonic()
     start_worker(kit)

@@ -162,7 +162,7 @@ def test_a_second_sigterm_still_flushes_what_finished(run_worker, collector, pro
     send(producer, "sleepy", 60)
     wait_for(lambda: "task started task_type=sleepy" in worker.log)
     worker.process.send_signal(signal.SIGTERM)
-    wait_for(lambda: "stopping producers" in worker.log)
+    wait_for(lambda: "shutdown: draining in-flight tasks" in worker.log)
     worker.process.send_signal(signal.SIGTERM)  # impatient: kill the drain
     worker.process.wait(30)
     assert [s.message_id for s in collector.spans_named("process quick")] == [message_id]

@@ -1,25 +1,151 @@
-"""The kit's processing middleware, one concern per module.
+"""The kit as Dramatiq middleware: one class per concern, and :func:`default_middleware`, the kit's list.
+
+Each works in a broker's middleware list on its own, and says in its docstring
+which hooks it uses and what it needs. Those that rely on the kit's Redis
+protocol (:class:`IdempotentExecution`, :class:`Retries`, :class:`OutboxRelay`,
+:class:`SchedulerLease`, strict :class:`QueueWeights`) refuse any broker but
+:class:`dramatiq_gp.RedisBroker` when the worker boots, in one line naming both.
 
 ``Sentry`` lives in :mod:`dramatiq_gp.middleware.sentry`, imported only when
 sentry-sdk (the ``sentry`` extra) is installed.
 """
 
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from dramatiq import Middleware
+from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
+
+from ..registry import Registry, default_registry
+from ..scheduler import Entry, Schedule, default_schedule
+from ..settings import Settings
+from ..telemetry import Telemetry
 from .idempotency import ClaimUnavailable, IdempotentExecution
+from .lifecycle import Lifecycle
+from .listeners import Listeners
 from .metrics import Metrics
+from .outbox_relay import OutboxRelay
 from .panic import PanicRecovery
 from .queue_weights import QueueWeights, WeightedQueue
 from .retries import Retries
+from .scheduler_lease import SchedulerLease
 from .task_log import TaskLog
 from .tracing import Tracing
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
 
 __all__ = [
     "ClaimUnavailable",
     "IdempotentExecution",
+    "Lifecycle",
+    "Listeners",
     "Metrics",
+    "OutboxRelay",
     "PanicRecovery",
     "QueueWeights",
     "Retries",
+    "SchedulerLease",
     "TaskLog",
     "Tracing",
     "WeightedQueue",
+    "default_middleware",
 ]
+
+
+def default_middleware(
+    settings: Settings | None = None,
+    *,
+    registry: Registry | None = None,
+    schedule: Schedule | None = None,
+    engine: sa.Engine | None = None,
+    telemetry: Telemetry | None = None,
+) -> list[Middleware]:
+    """The kit's middleware, in the order it runs them, configured from ``settings``.
+
+    The order matters: Dramatiq runs before-hooks in list order and after-hooks in
+    reverse. The producers come first, so they stop before in-flight tasks drain;
+    then the lifecycle, which sees every message first and last; tracing and
+    Sentry, so every message, a skipped duplicate too, gets a span and a scope, and
+    a retry is sent from inside its span; the task log, metrics and Sentry read
+    ``Retries``' verdict, which comes last. Dramatiq's own ``AgeLimit``,
+    ``TimeLimit``, ``ShutdownNotifications``, ``Callbacks`` and ``Pipelines`` are
+    in it; its ``Retries`` is replaced by the kit's.
+
+    Parameters:
+        settings: default :meth:`Settings.from_env`.
+        registry: the listeners; the module-level ``@dramatiq_gp.listener`` ones by default.
+        schedule: the entries; the module-level ``@dramatiq_gp.job`` ones by default.
+        engine: the database of the outbox; one is built from ``DB_*`` when they
+            are set (and disposed of at shutdown). With one, each worker process
+            relays the outbox (unless ``OUTBOX_RELAY=false``).
+        telemetry: default one built from ``settings`` (which configures logging).
+
+    Raises:
+        ConfigError: an environment variable is invalid.
+    """
+    settings = settings if settings is not None else Settings.from_env()
+    telemetry = telemetry if telemetry is not None else Telemetry(settings, namespace=settings.queue.namespace)
+    registry = registry if registry is not None else default_registry
+    schedule = schedule if schedule is not None else default_schedule
+    worker = settings.worker
+    lifecycle = Lifecycle(
+        telemetry=telemetry,
+        shutdown_timeout_ms=_ms(worker.shutdown_timeout) if worker.shutdown_timeout is not None else None,
+        display=settings.queue.display(),
+    )
+    producers: list[Middleware] = [
+        SchedulerLease(
+            schedule, registry=registry, settings=settings.scheduler, tracer_provider=telemetry.tracer_provider
+        )
+    ]
+    if engine is None and settings.db.configured:
+        import sqlalchemy as sa
+
+        db = settings.db
+        engine = sa.create_engine(db.sqlalchemy_url(), pool_size=db.pool_size, pool_pre_ping=True)
+        lifecycle.closers.kit.append(("outbox database", engine.dispose))
+    if engine is not None:
+        from ..outbox import set_notify
+
+        set_notify(settings.outbox.notify)
+        if settings.outbox.relay:
+            producers.append(OutboxRelay(engine, settings=settings.outbox))
+    return [
+        *producers,
+        lifecycle,
+        *([Tracing(telemetry.tracer_provider)] if telemetry.tracing else []),
+        *_sentry(settings, telemetry, schedule),
+        *([Metrics()] if telemetry.metrics else []),
+        *([QueueWeights(worker.queues, strict=worker.strict_priority)] if worker.queues else []),
+        IdempotentExecution(retention_ms=_ms(worker.dedup_retention)),
+        Listeners(registry),
+        TaskLog(),
+        PanicRecovery(),
+        AgeLimit(),
+        TimeLimit(),
+        ShutdownNotifications(),
+        Callbacks(),
+        Pipelines(),
+        Retries(
+            max_retries=worker.max_retries, min_backoff=_ms(worker.min_backoff), max_backoff=_ms(worker.max_backoff)
+        ),
+    ]
+
+
+def _sentry(settings: Settings, telemetry: Telemetry, schedule: Schedule) -> list[Middleware]:
+    if not telemetry.sentry:
+        return []
+    from .sentry import Sentry
+
+    def job_entry(name: str) -> Entry | None:
+        return next((entry for entry in schedule if entry.name == name and entry.handler), None)
+
+    sentry = settings.sentry
+    return [Sentry(send_default_pii=sentry.send_default_pii, job_entry=job_entry if sentry.crons else None)]
+
+
+def _ms(value: timedelta) -> int:
+    return int(value.total_seconds() * 1000)

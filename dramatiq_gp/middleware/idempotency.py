@@ -8,17 +8,22 @@ leaders overlapping. This middleware makes them harmless:
 * one Lua call per fetched batch claims each id (``SET`` with a lease) unless it
   is already marked done (the copy is acked and skipped) or claimed by a running
   copy (the copy is deferred and looked at again later, so a crashed holder's
-  work is not lost); the kit's broker calls :meth:`IdempotentExecution.claim`
+  work is not lost); the kit's broker calls :meth:`IdempotentExecution.after_fetch`
   as it fetches, and a message that arrives unclaimed is claimed on its own;
 * the outcome is written in the same Lua call as the ack (see
-  :mod:`dramatiq_gp.broker`): ``done`` for a success, kept for the retention
+  :mod:`dramatiq_gp.brokers.redis`): ``done`` for a success, kept for the retention
   window; the claim is released on failure, so a retry of the same id runs;
 * a thread renews the leases of messages still running, so a long task keeps its
   claim and a dead worker's claim lapses within one lease.
 
 Only actors declared with ``idempotent=True`` take part (the kit's listeners and
 jobs do); a plain actor's ids are random, so checking them would buy nothing.
-Needs :class:`dramatiq_gp.broker.Broker`, whose settle step writes the outcome.
+
+Hooks: ``before_worker_boot`` (refuses any broker but :class:`dramatiq_gp.RedisBroker`,
+whose settle step writes the outcome), ``after_worker_boot``/``after_worker_shutdown``
+(the renewing thread), ``before_process_message``, ``after_process_message``,
+``after_ack``/``after_nack``, and the broker's ``after_fetch``. The keys are
+``<namespace>:gp:done:<message id>`` on the broker's Redis.
 """
 
 from __future__ import annotations
@@ -34,36 +39,12 @@ from dramatiq import Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
-from ..broker import Settlement, attach_settlement, kit_broker, settlement
+from .. import keys
+from ..brokers.redis import RedisBroker, Settlement, attach_settlement, kit_broker, settlement
+from ..errors import one_line_at_start_up
+from ..lua import scripts
 
-_CLAIM = """
--- For each key: claim it (state 1), or report it done (2) or held by a running copy (3, with its TTL).
-local result = {}
-for i, key in ipairs(KEYS) do
-    local v = redis.call("get", key)
-    if not v then
-        redis.call("set", key, ARGV[i + 1], "PX", ARGV[1])
-        result[#result + 1] = 1
-        result[#result + 1] = 0
-    elseif v == "done" then
-        result[#result + 1] = 2
-        result[#result + 1] = 0
-    else
-        result[#result + 1] = 3
-        result[#result + 1] = redis.call("pttl", key)
-    end
-end
-return result
-"""
-
-_RENEW = """
-for i, key in ipairs(KEYS) do
-    if redis.call("get", key) == ARGV[i + 1] then
-        redis.call("pexpire", key, ARGV[1])
-    end
-end
-"""
-
+_SCRIPTS = scripts(__file__)
 _CLAIMED, _DONE, _RUNNING = 1, 2, 3
 _STATE_ATTR = "_gp_claim_state"
 
@@ -79,27 +60,15 @@ class IdempotentExecution(Middleware):
     """Skips message ids that already completed and keeps copies of one id from overlapping.
 
     Parameters:
-        client: the Redis client holding the claims (the broker's).
-        key_prefix: prefix of the per-id keys.
-        retention_ms: how long a completed id is remembered (default 24 h).
+        retention_ms: how long a completed id is remembered (``WORKER_DEDUP_RETENTION``, default 24 h).
         lease_ms: how long a claim outlives its last renewal (default 60 s).
     """
 
-    def __init__(
-        self,
-        *,
-        client: redis.Redis,
-        key_prefix: str = "dramatiq-gp:done:",
-        retention_ms: int = 86_400_000,
-        lease_ms: int = 60_000,
-    ) -> None:
+    def __init__(self, *, retention_ms: int = 86_400_000, lease_ms: int = 60_000) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
-        self.client = client
-        self.key_prefix = key_prefix
         self.retention_ms = retention_ms
         self.lease_ms = lease_ms
-        self._claim = client.register_script(_CLAIM)
-        self._renew = client.register_script(_RENEW)
+        self.key_prefix = ""
         self._running: dict[str, str] = {}
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -107,6 +76,16 @@ class IdempotentExecution(Middleware):
     @property
     def actor_options(self) -> set[str]:
         return {"idempotent"}
+
+    @one_line_at_start_up
+    def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        self.bind(kit_broker(broker, self))
+
+    def bind(self, broker: RedisBroker) -> None:
+        """Keep the claims on ``broker``'s Redis, under its namespace."""
+        self.key_prefix = keys.done_prefix(broker.namespace)
+        self._claim = broker.client.register_script(_SCRIPTS["claim"])
+        self._renew = broker.client.register_script(_SCRIPTS["renew"])
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         self._stop.clear()
@@ -116,8 +95,10 @@ class IdempotentExecution(Middleware):
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         self._stop.set()
 
-    def claim(self, broker: Broker, messages: Sequence[MessageProxy]) -> None:
+    def after_fetch(self, broker: RedisBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
         """Claim the ids of the idempotent ones among ``messages`` in one round trip."""
+        if queue_name.endswith(".DQ"):
+            return  # delayed messages are only parked in the consumer; they are claimed when due
         wanted = [m for m in messages if self._applies(broker, m)]
         if not wanted:
             return
@@ -159,7 +140,7 @@ class IdempotentExecution(Middleware):
                 "task deferred: another copy is running task_type=%s task_id=%s retry_in_ms=%d",
                 message.actor_name, message.message_id, delay_ms,
             )  # fmt: skip
-            kit_broker(broker).redeliver_later(message, delay_ms, gp_deferrals=deferrals + 1)
+            kit_broker(broker, self).redeliver_later(message, delay_ms, gp_deferrals=deferrals + 1)
         raise SkipMessage()
 
     def after_process_message(

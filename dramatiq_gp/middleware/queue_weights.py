@@ -27,13 +27,15 @@ import logging
 import math
 import queue
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dramatiq import Broker, Middleware, Worker
+from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 
-from .. import broker as gp_broker
+from ..brokers.redis import RedisBroker, kit_broker
+from ..errors import one_line_at_start_up
 
 #: Prefetch per queue is this many messages per worker thread, times the queue's share.
 PREFETCH_PER_THREAD = 8
@@ -134,6 +136,12 @@ class WeightedQueue(queue.Queue[Any]):
 class QueueWeights(Middleware):
     """Installs a :class:`WeightedQueue` in each worker and sizes each consumer's prefetch.
 
+    Hooks: ``before_worker_boot`` (replaces ``worker.work_queue``, a Dramatiq
+    internal), ``after_consumer_thread_boot`` (sets each consumer's ``prefetch``),
+    and, in strict mode, the broker's ``after_fetch`` (whether a queue still has a
+    backlog in Redis), so strict mode refuses any broker but
+    :class:`dramatiq_gp.RedisBroker`. Weighted mode works on any broker.
+
     Parameters:
         weights: ``WORKER_QUEUES`` as a mapping; queues with actors but not named get weight 1.
         strict: ``WORKER_STRICT_PRIORITY``.
@@ -144,8 +152,12 @@ class QueueWeights(Middleware):
         self.weights = dict(weights)
         self.strict = strict
         self._threads = 8
+        self._work_queue: WeightedQueue | None = None
 
+    @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        if self.strict:
+            kit_broker(broker, self)
         consumed = {q for q in broker.get_declared_queues() if not q.endswith(".DQ")}
         if worker.consumer_whitelist:  # dramatiq --queues still decides what this process consumes
             consumed &= set(worker.consumer_whitelist)
@@ -158,12 +170,14 @@ class QueueWeights(Middleware):
         weights = {**dict.fromkeys(unlisted, 1), **{q: w for q, w in self.weights.items() if q in consumed}}
         self.weights = weights
         self._threads = worker.worker_threads
-        work_queue = WeightedQueue(weights, strict=self.strict)
-        worker.work_queue = work_queue  # type: ignore[assignment]
-        if self.strict and isinstance(broker, gp_broker.Broker):
-            broker.on_fetched = work_queue.fetched
+        self._work_queue = WeightedQueue(weights, strict=self.strict)
+        worker.work_queue = self._work_queue  # type: ignore[assignment]
         mode = "strict priority" if self.strict else "weighted"
         self.logger.info("start-up: queues %s (%s)", ", ".join(f"{q}:{w}" for q, w in weights.items()) or "none", mode)
+
+    def after_fetch(self, broker: RedisBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
+        if self.strict and self._work_queue is not None:
+            self._work_queue.fetched(queue_name, len(messages))
 
     def after_consumer_thread_boot(self, broker: Broker, thread: Any) -> None:
         name = thread.queue_name

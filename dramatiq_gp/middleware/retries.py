@@ -17,9 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 import dramatiq
+from dramatiq import Worker
 from dramatiq.broker import Broker, MessageProxy
 
-from ..broker import kit_broker
+from ..brokers.redis import kit_broker
+from ..errors import one_line_at_start_up
 
 
 def expected_failure(broker: Broker, message: MessageProxy, exception: BaseException) -> bool:
@@ -35,7 +37,16 @@ def expected_failure(broker: Broker, message: MessageProxy, exception: BaseExcep
 
 class Retries(dramatiq.middleware.Retries):
     """Dramatiq's retry policy (``max_retries``, backoff, ``retry_when``, ``throws``,
-    ``on_retry_exhausted``), with each retry sent atomically with the ack."""
+    ``on_retry_exhausted``), with each retry sent atomically with the ack.
+
+    Hooks: ``before_worker_boot`` (refuses any broker but :class:`dramatiq_gp.RedisBroker`,
+    which carries the retry with the ack) and ``after_process_message``. Takes
+    Dramatiq's ``Retries`` arguments; use it instead of Dramatiq's, not beside it.
+    """
+
+    @one_line_at_start_up
+    def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        kit_broker(broker, self)
 
     def after_process_message(
         self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
@@ -43,7 +54,7 @@ class Retries(dramatiq.middleware.Retries):
         if exception is None:
             return
         super().after_process_message(  # type: ignore[no-untyped-call]
-            _SendWithAck(kit_broker(broker), message), message, result=result, exception=exception
+            _SendWithAck(kit_broker(broker, self), message), message, result=result, exception=exception
         )
 
 

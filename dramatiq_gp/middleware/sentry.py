@@ -39,6 +39,7 @@ from sentry_sdk.crons import capture_checkin
 from sentry_sdk.crons.consts import MonitorStatus
 from sentry_sdk.utils import event_from_exception
 
+from ..names import job_name
 from ..scheduler.cron import DESCRIPTORS, Cron, Every
 from ..scheduler.schedule import Entry
 from .retries import expected_failure
@@ -154,9 +155,10 @@ class Sentry(Middleware):
     def _check_in(
         self, message: MessageProxy, status: str, check_in: tuple[str, str, float] | None = None
     ) -> tuple[str, str, float] | None:
-        if self.job_entry is None or not message.actor_name.startswith("job:"):
+        name = job_name(message.actor_name)
+        if self.job_entry is None or name is None:
             return None
-        entry = self.job_entry(message.actor_name.removeprefix("job:"))
+        entry = self.job_entry(name)
         if entry is None:
             return None
         slug = monitor_slug(entry.name)

@@ -9,8 +9,9 @@ and a retry stays in it, linked to where the message began.
 
 Every send goes through ``before_enqueue``/``after_enqueue`` (Dramatiq's own
 ``enqueue``, the kit's batches, delayed copies and scheduler firings alike). A
-send that fails before ``after_enqueue`` is reported through
-:attr:`Broker.on_send_failed <dramatiq_gp.Broker.on_send_failed>`, so no span is left open.
+send that fails before ``after_enqueue`` is reported by :class:`dramatiq_gp.RedisBroker`
+through ``after_send_failed``, so no span is left open (on another broker such a
+span is never ended; nothing else is missing).
 
 Spans follow the messaging semantic conventions, with one deviation: the task
 type names the span (``send <task type>``, ``process <task type>``) rather than
@@ -81,7 +82,7 @@ class Tracing(Middleware):
         if span is not None:
             span.end()
 
-    def send_failed(self, message: Message[Any], error: BaseException | None) -> None:
+    def after_send_failed(self, broker: Broker, message: Message[Any], error: BaseException | None) -> None:
         """End the span of a send that never reached ``after_enqueue``."""
         span = self._pending().pop(message.message_id, None)
         if span is None:

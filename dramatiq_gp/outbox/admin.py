@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -13,6 +13,25 @@ import sqlalchemy as sa
 from .table import OUTBOX_EVENTS
 
 T = OUTBOX_EVENTS.c
+
+
+def backlog(engine: sa.Engine) -> tuple[int, float | None]:
+    """Rows not yet relayed, and seconds since the oldest of them was written (``None`` without any)."""
+    with engine.connect() as conn:
+        count, oldest = conn.execute(
+            sa.select(sa.func.count(), sa.func.min(T.created_at)).where(T.published_at.is_(None), T.failed_at.is_(None))
+        ).one()
+    if oldest is None:
+        return int(count), None
+    if oldest.tzinfo is None:  # SQLite: naive, in UTC
+        oldest = oldest.replace(tzinfo=UTC)
+    return int(count), max((datetime.now(UTC) - oldest).total_seconds(), 0.0)
+
+
+def set_aside_count(engine: sa.Engine) -> int:
+    """Rows the relays gave up on."""
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).where(T.failed_at.is_not(None))).scalar_one())
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,15 @@ from dramatiq.errors import BrokerConnectionError
 from opentelemetry.metrics import Observation
 from pydantic import ValidationError
 
-from ..broker import Broker
+from ..brokers.redis import RedisBroker
+from ..errors import GPError
 from ..events import event_type_named
 from ..metrics import instruments, observe
 from ..middleware.tracing import ORIGIN
-from ..registry import EVENT_QUEUE, event_actor_name
+from ..names import event_actor
+from ..registry import EVENT_QUEUE
 from ..settings import OutboxSettings
+from .admin import backlog
 from .table import CHANNEL, OUTBOX_EVENTS
 
 T = OUTBOX_EVENTS.c
@@ -66,7 +69,7 @@ _OUTAGE = (
 )
 
 
-class PoisonEvent(Exception):
+class PoisonEvent(GPError):
     """A row this process cannot turn into a message."""
 
 
@@ -81,7 +84,7 @@ class Relay:
 
     name = "outbox relay"
 
-    def __init__(self, *, engine: sa.Engine, broker: Broker, settings: OutboxSettings) -> None:
+    def __init__(self, *, engine: sa.Engine, broker: RedisBroker, settings: OutboxSettings) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.engine = engine
         self.broker = broker
@@ -183,7 +186,7 @@ class Relay:
         envelope: dict[str, Any] = {"id": str(row.id), "event": row.event, "data": row.payload}
         return Message(
             queue_name=EVENT_QUEUE,
-            actor_name=event_actor_name(row.event),
+            actor_name=event_actor(row.event),
             args=(envelope,),
             kwargs={},
             # The dispatching code's context is the message's creation context.
@@ -193,17 +196,8 @@ class Relay:
 
     def backlog(self) -> tuple[int, float]:
         """Pending rows, and seconds since the oldest of them was written."""
-        with self.engine.connect() as conn:
-            count, oldest = conn.execute(
-                sa.select(sa.func.count(), sa.func.min(T.created_at)).where(
-                    T.published_at.is_(None), T.failed_at.is_(None)
-                )
-            ).one()
-        if oldest is None:
-            return int(count), 0.0
-        if oldest.tzinfo is None:  # SQLite: naive, in UTC
-            oldest = oldest.replace(tzinfo=UTC)
-        return int(count), max((datetime.now(UTC) - oldest).total_seconds(), 0.0)
+        count, age = backlog(self.engine)
+        return count, age or 0.0
 
     def _read_backlog(self) -> tuple[int, float]:
         # Both gauges are read in one collection: one query serves them.

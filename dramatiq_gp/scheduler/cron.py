@@ -25,6 +25,7 @@ from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo
 
 from ..durations import parse_duration
+from ..errors import GPError
 
 DESCRIPTORS = {
     "@yearly": "0 0 1 1 *",
@@ -59,7 +60,7 @@ _SEARCH_DAYS = 366 * 8
 _SHIFT = timedelta(hours=3)
 
 
-class CronError(ValueError):
+class CronError(GPError, ValueError):
     """A spec that cannot be parsed; the message quotes the spec and the culprit."""
 
 

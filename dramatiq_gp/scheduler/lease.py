@@ -30,34 +30,10 @@ from collections.abc import Callable
 
 import redis
 
-_ACQUIRE = """
--- KEYS: lease, epoch counter, holder info; ARGV: token, ttl ms, host, pid, now ms
-if redis.call("exists", KEYS[1]) == 1 then
-    return 0
-end
-local epoch = redis.call("incr", KEYS[2])
-redis.call("set", KEYS[1], epoch .. "/" .. ARGV[1], "NX", "PX", ARGV[2])
-redis.call("hset", KEYS[3], "epoch", epoch, "host", ARGV[3], "pid", ARGV[4], "acquired_at", ARGV[5])
-redis.call("pexpire", KEYS[3], ARGV[2])
-return epoch
-"""
+from ..keys import SchedulerKeys
+from ..lua import scripts
 
-_RENEW = """
-if redis.call("get", KEYS[1]) == ARGV[1] then
-    redis.call("pexpire", KEYS[1], ARGV[2])
-    redis.call("pexpire", KEYS[2], ARGV[2])
-    return 1
-end
-return 0
-"""
-
-_RELEASE = """
-if redis.call("get", KEYS[1]) == ARGV[1] then
-    redis.call("del", KEYS[1], KEYS[2])
-    return 1
-end
-return 0
-"""
+_SCRIPTS = scripts(__file__)
 
 #: Part of the TTL, and a fixed amount, not trusted to clock drift between us and Redis.
 DRIFT_FACTOR, DRIFT_MIN_S = 0.01, 0.005
@@ -68,22 +44,24 @@ class Lease:
 
     Parameters:
         client: the Redis client.
-        prefix: ``<SCHEDULER_NAMESPACE>:scheduler``.
+        keys: the scheduler namespace's keys.
         ttl_s: the lease TTL.
         on_change: called (from the lease thread) with True on acquisition and
             False on loss or release.
     """
 
-    def __init__(self, client: redis.Redis, prefix: str, ttl_s: float, on_change: Callable[[bool], None]) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: SchedulerKeys, ttl_s: float, on_change: Callable[[bool], None]
+    ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.client = client
-        self.key, self.info_key, self.epoch_key = f"{prefix}:lease", f"{prefix}:leader", f"{prefix}:epoch"
+        self.key, self.info_key, self.epoch_key = keys.lease, keys.leader, keys.epoch
         self.ttl_s = ttl_s
         self.on_change = on_change
         self.identity = (socket.gethostname(), os.getpid())
-        self._acquire = client.register_script(_ACQUIRE)
-        self._renew = client.register_script(_RENEW)
-        self._release = client.register_script(_RELEASE)
+        self._acquire = client.register_script(_SCRIPTS["acquire"])
+        self._renew = client.register_script(_SCRIPTS["renew"])
+        self._release = client.register_script(_SCRIPTS["release"])
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

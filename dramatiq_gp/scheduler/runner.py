@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -35,39 +35,24 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
 
-from ..broker import Broker
+from .. import keys
+from ..brokers.redis import RedisBroker
+from ..lua import scripts
 from ..metrics import instruments, observe
-from ..registry import Registry
+from ..names import tick_message_id
+from ..registry import Registry, idempotent_option, send_all
 from ..settings import SchedulerSettings
+from ..status import scheduler_status
 from .lease import Lease
 from .schedule import Entry, Schedule
 
-_FIRE = """
--- KEYS: lease, tick, last fired (hash), queue list, queue messages
--- ARGV: lease value, tick ttl ms, entry, tick ms, redis message id, message data
-if redis.call("get", KEYS[1]) ~= ARGV[1] then
-    return -1
-end
-local last = tonumber(redis.call("hget", KEYS[3], ARGV[3]) or "-1")
-if last >= tonumber(ARGV[4]) or not redis.call("set", KEYS[2], ARGV[1], "NX", "PX", ARGV[2]) then
-    return 0
-end
-redis.call("hset", KEYS[3], ARGV[3], ARGV[4])
-redis.call("hset", KEYS[5], ARGV[5], ARGV[6])
-redis.call("rpush", KEYS[4], ARGV[5])
-return 1
-"""
+_SCRIPTS = scripts(__file__)
 
-#: Namespace of the tick message ids (uuid5 of entry and tick).
-TICK_NAMESPACE = uuid.UUID("0f0c1a52-9e8a-5b0e-8d4f-6f2b4c3e9a77")
+
 #: A tick's claim key outlives the catch-up grace by this much (older ticks never fire).
 TICK_KEY_MARGIN_MS = 60_000
 #: The timer never sleeps longer than this, so it notices leadership changes and stops.
 MAX_SLEEP_S = 0.25
-
-
-def tick_message_id(entry: str, tick: datetime) -> str:
-    return str(uuid.uuid5(TICK_NAMESPACE, f"{entry}@{_ms(tick)}"))
 
 
 def _ms(instant: datetime) -> int:
@@ -92,7 +77,7 @@ class Runner:
         self,
         *,
         schedule: Schedule,
-        broker: Broker,
+        broker: RedisBroker,
         registry: Registry,
         settings: SchedulerSettings,
         namespace: str,
@@ -100,10 +85,10 @@ class Runner:
     ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.schedule, self.broker, self.registry, self.settings = schedule, broker, registry, settings
-        self.prefix = f"{namespace}:scheduler"
-        self.covered_key = f"{self.prefix}:last_fired"
-        self.lease = Lease(broker.client, self.prefix, settings.lease_ttl.total_seconds(), self._leadership_changed)
-        self._fire_script = broker.client.register_script(_FIRE)
+        self.keys = keys.SchedulerKeys(namespace)
+        self.covered_key = self.keys.last_fired
+        self.lease = Lease(broker.client, self.keys, settings.lease_ttl.total_seconds(), self._leadership_changed)
+        self._fire_script = broker.client.register_script(_SCRIPTS["fire"])
         self._tick_ttl_ms = int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -120,7 +105,7 @@ class Runner:
         self._stop.clear()
         # Published for ``dramatiq-gp status``, which reads Redis, not the application.
         self.broker.client.hset(
-            f"{self.prefix}:entries",
+            self.keys.entries,
             mapping={entry.name: f"{entry.spec.text}|{entry.zone.key}" for entry in self.schedule},
         )
         self.lease.start()
@@ -136,36 +121,13 @@ class Runner:
         self.lease.stop()
 
     def status(self) -> dict[str, Any]:
-        """The current leader (host, pid, epoch, expiry) and each entry's next and last fire."""
-        client = self.broker.client
-        info = {_text(k): _text(v) for k, v in client.hgetall(self.lease.info_key).items()}
-        ttl_ms = client.pttl(self.lease.key)
-        last = {_text(k): int(v) for k, v in client.hgetall(self.covered_key).items()}
-        now = datetime.now(UTC)
-        leader = None
-        if info and ttl_ms > 0:
-            expires = now + timedelta(milliseconds=ttl_ms)
-            leader = {"host": info["host"], "pid": int(info["pid"]), "epoch": int(info["epoch"]), "expires_at": expires}
-        return {
-            "leader": leader,
-            "this_process_leads": self.lease.is_held(),
-            "entries": [
-                {
-                    "name": entry.name,
-                    "task_type": entry.actor_name,
-                    "spec": entry.spec.text,
-                    "zone": entry.zone.key,
-                    "next_fire": entry.next_after(now),
-                    "last_fired": datetime.fromtimestamp(last[entry.name] / 1000, UTC) if entry.name in last else None,
-                }
-                for entry in self.schedule
-            ],
-        }
+        """What ``dramatiq-gp status`` shows of this scheduler, and whether this process leads."""
+        return {**scheduler_status(self.broker.client, self.keys), "this_process_leads": self.lease.is_held()}
 
     # -- actors --------------------------------------------------------------------
 
     def _declare_actors(self) -> None:
-        broker = self.broker
+        broker, idempotent = self.broker, idempotent_option(self.broker)
         for entry in self.schedule:
             broker.declare_queue(entry.queue)
             if entry.actor_name in broker.actors:
@@ -177,11 +139,11 @@ class Runner:
                     actor_name=entry.actor_name,
                     queue_name=entry.queue,
                     priority=0,
-                    options={"idempotent": True, **entry.options},
+                    options={**idempotent, **entry.options},
                 )
             else:
                 Actor(_fan_out_fn(self.registry, broker), broker=broker, actor_name=entry.actor_name,
-                      queue_name=entry.queue, priority=0, options={"idempotent": True})  # fmt: skip
+                      queue_name=entry.queue, priority=0, options=idempotent)  # fmt: skip
 
     # -- the timer -----------------------------------------------------------------
 
@@ -293,8 +255,8 @@ class Runner:
         assert self.lease.value is not None
         try:
             result = int(self._fire_script(
-                keys=[self.lease.key, f"{self.prefix}:tick:{entry.name}:{_ms(tick)}", self.covered_key,
-                      f"{ns}:{queue}", f"{ns}:{queue}.msgs"],
+                keys=[self.lease.key, self.keys.tick(entry.name, _ms(tick)), self.covered_key,
+                      keys.queue(ns, queue), keys.messages(ns, queue)],
                 args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), redis_id, message.encode()],
             ))  # fmt: skip
         except BaseException as exc:
@@ -322,13 +284,11 @@ class Runner:
         )
 
 
-def _fan_out_fn(registry: Registry, broker: Broker) -> Any:
+def _fan_out_fn(registry: Registry, broker: RedisBroker) -> Any:
     def fan_out(firing: dict[str, Any]) -> None:
         # The firing's own message id is the envelope id: every firing is a new
         # dispatch, and a retry of one firing fans out to the same message ids.
-        messages = registry.messages_for(firing)
-        if messages:
-            broker.enqueue_many(messages)
+        send_all(broker, registry.messages_for(firing))
 
     return fan_out
 

@@ -18,14 +18,15 @@ import inspect
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, overload
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from ..durations import format_duration
+from ..durations import format_duration, parse_duration
 from ..errors import EventEncodeError, EventError, GPError, one_line_at_start_up
-from ..events import NAME, EventType, event_type
+from ..events import EventType, event_type
+from ..names import NAME, job_actor, schedule_actor
 from ..settings import QUEUE_NAME
 from .cron import CronError, Spec, parse
 
@@ -54,10 +55,12 @@ class Entry:
     #: Job schedules: the handler, and whether it takes the scheduled time.
     handler: JobHandler | None = None
     takes_time: bool = False
+    #: Whether the entry gave its own zone (``tz=``) rather than the schedule's.
+    fixed_zone: bool = False
 
     @property
     def actor_name(self) -> str:
-        return f"job:{self.name}" if self.handler is not None else f"schedule:{self.event.name}"  # type: ignore[union-attr]
+        return job_actor(self.name) if self.handler is not None else schedule_actor(self.event.name)  # type: ignore[union-attr]
 
     def next_after(self, after: datetime) -> datetime:
         return self.spec.next_after(after, self.zone)
@@ -134,6 +137,35 @@ class Schedule:
     def entries(self) -> tuple[Entry, ...]:
         return tuple(self._entries.values())
 
+    @one_line_at_start_up
+    def use_timezone(self, timezone: str) -> None:
+        """Evaluate the entries that gave no ``tz=`` of their own in ``timezone`` (``SCHEDULER_TIMEZONE``)."""
+        self.zone = _zone(timezone, "the schedule")
+        self._entries = {
+            name: entry if entry.fixed_zone else replace(entry, zone=self.zone) for name, entry in self._entries.items()
+        }
+
+    @one_line_at_start_up
+    def check_options(self, known: set[str]) -> None:
+        """Accept only ``known`` message options, from now on and in the entries already here.
+
+        Raises:
+            ScheduleError: an entry carries another option; the error names it.
+        """
+        self._known_options = known
+        for entry in self._entries.values():
+            if unknown := set(entry.options) - known:
+                raise ScheduleError(f"schedule entry {entry.name!r}: unknown option(s) {', '.join(sorted(unknown))}")
+
+    def include(self, other: Schedule) -> None:
+        """Add ``other``'s entries (the module-level ``@dramatiq_gp.job`` ones, say) to this schedule.
+
+        Raises:
+            ScheduleError: an entry name is taken here already.
+        """
+        for entry in other:
+            self._add(entry if entry.fixed_zone else replace(entry, zone=self.zone))
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -175,7 +207,7 @@ class Schedule:
         except TypeError as exc:
             raise ScheduleError(f"schedule entry {name!r}: options travel as JSON ({exc})") from None
         zone = self.zone if tz is None else _zone(tz, f"schedule entry {name!r}")
-        return {"spec": parsed, "zone": zone, "queue": queue, "options": options}
+        return {"spec": parsed, "zone": zone, "fixed_zone": tz is not None, "queue": queue, "options": options}
 
     def _add(self, entry: Entry) -> None:
         if entry.name in self._entries:
@@ -217,3 +249,54 @@ def _job_shape(name: str, handler: object) -> bool:
         raise ScheduleError(
             f"{where}: the handler must take no argument, or one (the scheduled time), not {shape}"
         ) from None
+
+
+#: The schedule module-level ``@dramatiq_gp.job`` functions join; the Kit and
+#: :class:`~dramatiq_gp.SchedulerLease` fire it unless given another.
+default_schedule = Schedule()
+
+
+@one_line_at_start_up
+def job(
+    name: str,
+    *,
+    cron: str | None = None,
+    every: str | timedelta | None = None,
+    tz: str | None = None,
+    **options: Any,
+) -> Callable[[JobHandler], JobHandler]:
+    """Decorator: run the function as the job ``name`` (task ``job:<name>``) on a schedule.
+
+    Give one of ``cron`` (a cron spec, ``@daily``, ``@every 90s``...) or ``every``
+    (``"5m"`` or a ``timedelta``). Options as for :meth:`Schedule.job`. The entry
+    joins :data:`default_schedule`, which every worker's Kit or
+    :class:`~dramatiq_gp.SchedulerLease` fires::
+
+        @dramatiq_gp.job("reports.nightly", cron="0 3 * * *", queue="reports")
+        def nightly_report() -> None: ...
+
+    Raises:
+        ScheduleError: neither or both of ``cron`` and ``every``, or a bad entry.
+    """
+    if every is not None and cron is None:
+        interval = every if isinstance(every, timedelta) else _interval(name, every)
+        if interval < timedelta(seconds=1):
+            raise ScheduleError(f"schedule entry {name!r}: every= must be at least 1s")
+        spec = f"@every {format_duration(interval)}"
+    elif cron is not None and every is None:
+        spec = cron
+    else:
+        raise ScheduleError(f"schedule entry {name!r}: give cron= or every=, one of them")
+
+    def decorate(handler: JobHandler) -> JobHandler:
+        default_schedule.job(name, spec, handler, tz=tz, **options)
+        return handler
+
+    return decorate
+
+
+def _interval(name: str, text: str) -> timedelta:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise ScheduleError(f"schedule entry {name!r}: every={text!r}: {exc}") from None

@@ -1,26 +1,34 @@
-"""Dramatiq's Redis broker with the few things the kit needs from it.
+"""The kit's Redis broker: Dramatiq's, with the protocol the kit's middleware relies on.
 
-* :meth:`Broker.enqueue_many` sends a batch in one round trip (Dramatiq has no
+:class:`RedisBroker` takes the arguments of :class:`dramatiq.brokers.redis.RedisBroker`
+and keeps its key layout and ``dispatch.lua``, so stock Dramatiq producers and
+tools see the same queues. On top of it:
+
+* :meth:`RedisBroker.enqueue_many` sends a batch in one round trip (Dramatiq has no
   batch API), all or nothing, every message encoded before any is sent.
-* Settling a message (ack, nack, requeue) also writes, in the same Lua call, what
-  the kit has to record with it: the idempotency outcome and, for a retried or
-  deferred message, its delayed copy (:meth:`Broker.redeliver_later`). So "acked"
-  always implies "recorded", and a retry or a deferral can never lose the message.
+* Settling a message (ack, nack, requeue) also writes, in the same Lua call
+  (``settle.lua``), what the kit has to record with it: the idempotency outcome
+  and, for a retried or deferred message, its delayed copy
+  (:meth:`RedisBroker.redeliver_later`). So "acked" always implies "recorded", and
+  a retry or a deferral can never lose the message.
 * Each consumer runs Dramatiq's queue maintenance (returning the unacknowledged
   messages of dead workers) at least every quarter heartbeat timeout, not only by
   chance, so a ``kill -9``'d worker's messages come back within about a minute.
-* Each fetched batch is decoded at once and handed to :attr:`Broker.on_fetch`,
-  so the idempotency claims of a batch take one round trip.
+* Each fetched batch is decoded at once and handed to the middleware's
+  ``after_fetch`` (see :class:`BrokerHooks`), so the idempotency claims of a batch
+  take one round trip.
 * A message for a task type no actor here handles is held back for a grace
   period (a newer worker may know it), then skipped with one warning: it goes to
-  the dead-letter set with the reason in its options, and is counted per task
-  type for ``dramatiq-gp status``. :meth:`Broker.join` does not wait for held
-  messages.
+  the dead-letter set with the reason in its options (``dead_letter.lua``), and is
+  counted per task type for ``dramatiq-gp status``. :meth:`RedisBroker.join` does
+  not wait for held messages (``unsettled.lua``).
 * A fetched message that cannot be decoded, or is decodable but malformed (no
   ``redis_message_id``, fields of the wrong type), goes to the dead-letter set
-  with one error line; the rest of its batch runs as usual.
+  (``set_aside.lua``) with one error line; the rest of its batch runs as usual.
 
-The Lua below mirrors the key layout of Dramatiq's ``dispatch.lua`` (2.x).
+The Lua scripts live beside this module in ``redis/``; every key they touch is
+built by :mod:`dramatiq_gp.keys`. The Dramatiq internals this module relies on are
+listed in ``docs/internals.md``, each pinned by ``tests/test_dramatiq_internals.py``.
 """
 
 from __future__ import annotations
@@ -32,100 +40,28 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 from uuid import uuid4
 
 import redis
-from dramatiq import Message
-from dramatiq.broker import MessageProxy
-from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
+from dramatiq import Message, Middleware
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.brokers.redis import RedisBroker as DramatiqRedisBroker
+from dramatiq.brokers.redis import _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis, dq_name, q_name
 from dramatiq.errors import ConnectionClosed, DecodeError, QueueJoinTimeout
 
-from .durations import format_duration
+from .. import keys
+from ..durations import format_duration
+from ..errors import BrokerMismatch
+from ..lua import scripts
 
 logger = logging.getLogger(__name__)
 
 #: How long a message for an unknown task type waits between looks.
 UNKNOWN_TASK_RETRY_MS = 30_000
 
-_SETTLE = """
--- KEYS: heartbeats, acks, msgs, queue, xq, xq msgs, idempotency key, delay queue, delay msgs
--- ARGV: command, now, worker id, redis message id, outcome, token, retention ms, copy id, copy data
-redis.call("zadd", KEYS[1], ARGV[2], ARGV[3])
-local id = ARGV[4]
-if redis.call("srem", KEYS[2], id) > 0 then
-    if ARGV[1] == "ack" then
-        redis.call("hdel", KEYS[3], id)
-    elseif ARGV[1] == "requeue" then
-        redis.call("rpush", KEYS[4], id)
-    else
-        local data = redis.call("hget", KEYS[3], id)
-        if data then
-            redis.call("zadd", KEYS[5], ARGV[2], id)
-            redis.call("hset", KEYS[6], id, data)
-            redis.call("hdel", KEYS[3], id)
-        end
-    end
-    -- A message put back as it was (requeue) runs again itself: no copy.
-    if ARGV[8] ~= "" and ARGV[1] ~= "requeue" then
-        redis.call("hset", KEYS[9], ARGV[8], ARGV[9])
-        redis.call("rpush", KEYS[8], ARGV[8])
-    end
-end
-if ARGV[5] == "done" then
-    redis.call("set", KEYS[7], "done", "PX", ARGV[7])
-elseif ARGV[5] == "release" and redis.call("get", KEYS[7]) == ARGV[6] then
-    redis.call("del", KEYS[7])
-end
-"""
-
-_SET_ASIDE = """
--- KEYS: acks, msgs, xq, xq msgs; ARGV: data, now
--- The fetch moved the message's id to the acks set; find it by its data.
-local moved = 0
-for _, id in ipairs(redis.call("smembers", KEYS[1])) do
-    if redis.call("hget", KEYS[2], id) == ARGV[1] then
-        redis.call("srem", KEYS[1], id)
-        redis.call("hdel", KEYS[2], id)
-        redis.call("zadd", KEYS[3], ARGV[2], id)
-        redis.call("hset", KEYS[4], id, ARGV[1])
-        moved = moved + 1
-    end
-end
-return moved
-"""
-
-_DEAD_LETTER = """
--- KEYS: acks, msgs, xq, xq msgs, skipped counts
--- ARGV: redis message id, data to keep, now, task type, counts ttl ms
-if redis.call("srem", KEYS[1], ARGV[1]) == 0 then
-    return 0
-end
-redis.call("hdel", KEYS[2], ARGV[1])
-redis.call("zadd", KEYS[3], ARGV[3], ARGV[1])
-redis.call("hset", KEYS[4], ARGV[1], ARGV[2])
-redis.call("hincrby", KEYS[5], ARGV[4], 1)
-redis.call("pexpire", KEYS[5], ARGV[5])
-return 1
-"""
-
-_UNSETTLED = """
--- KEYS: a queue's msgs, its delay queue's msgs. Counts what is stored in either (ready,
--- in flight or delayed) except the messages held for an unknown task type.
-local n = 0
-for _, key in ipairs(KEYS) do
-    for _, data in ipairs(redis.call("hvals", key)) do
-        local ok, message = pcall(cjson.decode, data)
-        local held = ok and type(message) == "table" and type(message.options) == "table"
-            and message.options.gp_unknown_since ~= nil
-        if not held then
-            n = n + 1
-        end
-    end
-end
-return n
-"""
+_SCRIPTS = scripts(__file__)
 
 #: Option on a dead-lettered copy saying why it is there.
 DEAD_LETTER_REASON = "gp_dead_letter_reason"
@@ -144,7 +80,7 @@ class Settlement:
     outcome: str = ""
     retention_ms: int = 0
     #: A copy for the delay queue, already announced (``before_enqueue``), due after
-    #: ``delay_ms``: a retry or a deferral (see :meth:`Broker.redeliver_later`).
+    #: ``delay_ms``: a retry or a deferral (see :meth:`RedisBroker.redeliver_later`).
     redeliver: Message[Any] | None = None
     delay_ms: int = 0
 
@@ -157,38 +93,50 @@ def attach_settlement(message: MessageProxy, value: Settlement) -> None:
     setattr(message, SETTLEMENT_ATTR, value)
 
 
-def kit_broker(broker: object) -> Broker:
-    """``broker`` as the kit's :class:`Broker`, which the kit's middleware needs."""
-    if not isinstance(broker, Broker):
-        raise TypeError(f"{type(broker).__name__} is not a dramatiq_gp.Broker, which the kit's middleware needs")
+class BrokerHooks(Protocol):
+    """What :class:`RedisBroker` calls on its middleware besides Dramatiq's hooks.
+
+    A middleware defines either method, or both; the broker calls each middleware
+    that has it, in list order.
+    """
+
+    def after_fetch(self, broker: RedisBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
+        """A consumer fetched ``messages`` (perhaps none) from ``queue_name``; no worker thread has them yet."""
+
+    def after_send_failed(self, broker: RedisBroker, message: Message[Any], error: BaseException | None) -> None:
+        """``message``, announced by ``before_enqueue``, was not sent; ``error`` says why when it failed."""
+
+
+def kit_broker(broker: Broker, middleware: Middleware) -> RedisBroker:
+    """``broker``, which ``middleware`` needs to be a :class:`RedisBroker`.
+
+    Raises:
+        BrokerMismatch: it is another broker; one line naming both.
+    """
+    if not isinstance(broker, RedisBroker):
+        cls = type(broker)
+        raise BrokerMismatch(
+            f"{type(middleware).__name__} needs dramatiq_gp.RedisBroker, not {cls.__module__}.{cls.__qualname__}: "
+            f"build the broker with gp.RedisBroker(...) (it takes RedisBroker's arguments)"
+        )
     return broker
 
 
-class Broker(RedisBroker):
-    """A :class:`dramatiq.brokers.redis.RedisBroker` that the kit's middleware relies on.
+class RedisBroker(DramatiqRedisBroker):
+    """Dramatiq's Redis broker with the kit's protocol (see the module docstring).
 
     Parameters:
-        unknown_task_grace_ms: how long messages for an unknown task type are held
-            before they are skipped.
-        **options: passed to ``RedisBroker`` (``client``, ``namespace``, ``middleware``...).
+        unknown_task_grace_ms: how long messages for a task type no actor here
+            handles are held before they are skipped (``WORKER_UNKNOWN_TASK_GRACE``).
+        **options: :class:`dramatiq.brokers.redis.RedisBroker`'s (``url``, ``client``,
+            ``namespace``, ``middleware``, ``heartbeat_timeout``, ``dead_message_ttl``,
+            Redis connection parameters...).
     """
 
     def __init__(self, *, unknown_task_grace_ms: int = 300_000, **options: Any) -> None:
         super().__init__(**options)  # type: ignore[no-untyped-call]
         self.unknown_task_grace_ms = unknown_task_grace_ms
-        #: Called in the consumer thread with each fetched batch before worker threads see it.
-        self.on_fetch: Callable[[Broker, list[MessageProxy]], None] | None = None
-        #: Called with a message whose ``before_enqueue`` was emitted but which was
-        #: not sent after all, and the error if there was one (the tracing middleware
-        #: ends the message's send span there).
-        self.on_send_failed: Callable[[Message[Any], BaseException | None], None] | None = None
-        #: Called in a consumer thread after each fetch with the queue and how many came back
-        #: (strict priority learns from it whether a queue still has a backlog in Redis).
-        self.on_fetched: Callable[[str, int], None] | None = None
-        self._settle = self.client.register_script(_SETTLE)
-        self._set_aside = self.client.register_script(_SET_ASIDE)
-        self._dead_letter = self.client.register_script(_DEAD_LETTER)
-        self._unsettled = self.client.register_script(_UNSETTLED)
+        self._scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
         self._warned_lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
 
@@ -196,10 +144,9 @@ class Broker(RedisBroker):
     def consumer_class(self) -> type[_Consumer]:
         return _Consumer
 
-    @property
-    def skipped_key(self) -> str:
-        """The hash counting, per task type, the messages skipped for want of a handler."""
-        return f"{self.namespace}:gp:skipped"
+    def hooks(self, name: str) -> list[Callable[..., None]]:
+        """The middleware's ``name`` methods (see :class:`BrokerHooks`), in list order."""
+        return [hook for middleware in self.middleware if (hook := getattr(middleware, name, None)) is not None]
 
     def join(self, queue_name: str, *, interval: int = 100, timeout: int | None = None) -> None:
         """Wait until ``queue_name`` and its delay queue hold nothing but held messages (tests only).
@@ -211,10 +158,9 @@ class Broker(RedisBroker):
         Raises:
             QueueJoinTimeout: ``timeout`` ms passed first.
         """
-        canonical = q_name(queue_name)
-        keys = [f"{self.namespace}:{canonical}.msgs", f"{self.namespace}:{dq_name(canonical)}.msgs"]
+        stored = [keys.messages(self.namespace, q_name(queue_name)), keys.delay_messages(self.namespace, queue_name)]
         deadline = timeout and time.monotonic() + timeout / 1000
-        while self._unsettled(keys=keys):
+        while self._scripts["unsettled"](keys=stored):
             if deadline and time.monotonic() >= deadline:
                 raise QueueJoinTimeout(queue_name)  # type: ignore[no-untyped-call]
             time.sleep(interval / 1000)
@@ -258,8 +204,8 @@ class Broker(RedisBroker):
 
     def send_failed(self, message: Message[Any], error: BaseException | None) -> None:
         """Report that ``message``, announced by ``before_enqueue``, was not sent."""
-        if self.on_send_failed is not None:
-            self.on_send_failed(message, error)
+        for hook in self.hooks("after_send_failed"):
+            hook(self, message, error)
 
     def fetch(self, queue_name: str, prefetch: int, *, maintain: bool) -> list[bytes | None]:
         """Dramatiq's fetch; with ``maintain``, the queue's maintenance runs with it for sure.
@@ -295,25 +241,23 @@ class Broker(RedisBroker):
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`Settlement`."""
         plan = settlement(message) or Settlement()
-        ns, queue = self.namespace, queue_name
-        canonical, delayed = q_name(queue), dq_name(q_name(queue))
-        copy = plan.redeliver
-        keys = [
-            f"{ns}:__heartbeats__",
-            f"{ns}:__acks__.{self.broker_id}.{queue}",
-            f"{ns}:{queue}.msgs",
-            f"{ns}:{queue}",
-            f"{ns}:{canonical}.XQ",
-            f"{ns}:{canonical}.XQ.msgs",
-            plan.key or f"{ns}:__unused__",
-            f"{ns}:{delayed}",
-            f"{ns}:{delayed}.msgs",
+        ns, copy = self.namespace, plan.redeliver
+        touched = [
+            keys.heartbeats(ns),
+            keys.acks(ns, self.broker_id, queue_name),
+            keys.messages(ns, queue_name),
+            keys.queue(ns, queue_name),
+            keys.dead(ns, queue_name),
+            keys.dead_messages(ns, queue_name),
+            plan.key or keys.done_prefix(ns),  # a key the script leaves alone without an outcome
+            keys.delay_queue(ns, queue_name),
+            keys.delay_messages(ns, queue_name),
         ]
         args = [command, current_millis(), self.broker_id, message.options["redis_message_id"],
                 plan.outcome, plan.token, plan.retention_ms,
                 copy.options["redis_message_id"] if copy else "", copy.encode() if copy else b""]  # fmt: skip
         try:
-            self._settle(keys=keys, args=args)
+            self._scripts["settle"](keys=touched, args=args)
         except BaseException as exc:
             if copy is not None:
                 self.send_failed(copy, exc)
@@ -332,10 +276,10 @@ class Broker(RedisBroker):
         ever; in Dramatiq's dead-letter set (``<queue>.XQ``) it is kept for
         inspection and expires with the others.
         """
-        ns, canonical = self.namespace, q_name(queue_name)
-        keys = [f"{ns}:__acks__.{self.broker_id}.{queue_name}", f"{ns}:{queue_name}.msgs",
-                f"{ns}:{canonical}.XQ", f"{ns}:{canonical}.XQ.msgs"]  # fmt: skip
-        return int(self._set_aside(keys=keys, args=[data, current_millis()]))
+        ns = self.namespace
+        touched = [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
+                   keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name)]  # fmt: skip
+        return int(self._scripts["set_aside"](keys=touched, args=[data, current_millis()]))
 
     def _warn_once(self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING) -> None:
         """Log ``msg`` the first time ``kind`` happens to ``task_type`` in this process."""
@@ -373,17 +317,17 @@ class Broker(RedisBroker):
     def dead_letter(self, queue_name: str, message: MessageProxy, reason: str) -> None:
         """Move a fetched ``message`` to its queue's dead-letter set, ``reason`` in its options.
 
-        It is counted per task type in :attr:`skipped_key` for ``dramatiq-gp
+        It is counted per task type (:func:`dramatiq_gp.keys.skipped`) for ``dramatiq-gp
         status``; the count expires with the dead letters (``dead_message_ttl``).
         """
-        ns, canonical = self.namespace, q_name(queue_name)
-        keys = [f"{ns}:__acks__.{self.broker_id}.{queue_name}", f"{ns}:{queue_name}.msgs",
-                f"{ns}:{canonical}.XQ", f"{ns}:{canonical}.XQ.msgs", self.skipped_key]  # fmt: skip
+        ns = self.namespace
+        touched = [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
+                   keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name), keys.skipped(ns)]  # fmt: skip
         kept = message.copy(options={DEAD_LETTER_REASON: reason})
         args = [message.options["redis_message_id"], kept.encode(), current_millis(), message.actor_name,
                 self.dead_message_ttl]  # fmt: skip
         try:
-            self._dead_letter(keys=keys, args=args)
+            self._scripts["dead_letter"](keys=touched, args=args)
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
@@ -392,11 +336,11 @@ class _Consumer(_RedisConsumer):
     """Dramatiq's Redis consumer, reading a fetched batch at once.
 
     Decoding the whole batch lets unknown task types be set aside before they
-    reach a worker thread, and hands the batch to :attr:`Broker.on_fetch` (the
-    idempotency claims) in one call rather than one Redis round trip per message.
+    reach a worker thread, and hands the batch to the middleware's ``after_fetch``
+    (the idempotency claims) in one call rather than one Redis round trip per message.
     """
 
-    broker: Broker
+    broker: RedisBroker
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)  # type: ignore[no-untyped-call]
@@ -417,9 +361,10 @@ class _Consumer(_RedisConsumer):
         consumer starts with nothing in memory, so every id in that set is one of
         those: back to the delay queue they go, to be fetched again.
         """
-        acks = f"{self.broker.namespace}:__acks__.{self.broker.broker_id}.{self.queue_name}"
         try:
-            dropped = self.broker.client.smembers(acks)
+            dropped = self.broker.client.smembers(
+                keys.acks(self.broker.namespace, self.broker.broker_id, self.queue_name)
+            )
             if dropped:
                 self.broker.do_requeue(self.queue_name, *dropped)
         except redis.ConnectionError as exc:
@@ -442,20 +387,22 @@ class _Consumer(_RedisConsumer):
                 if maintain:
                     self._maintain_at = time.monotonic() + self._maintain_every_s
                 batch = self.broker.fetch(self.queue_name, room, maintain=maintain)
-                if self.broker.on_fetched is not None:
-                    self.broker.on_fetched(self.queue_name, len(batch))
+                accepted = self._accept(batch)
+                for hook in self.broker.hooks("after_fetch"):
+                    hook(self.broker, self.queue_name, accepted)
                 if not batch:
                     # As Dramatiq does: poll less and less often while idle, up to the timeout.
                     self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
                     time.sleep(backoff_ms / 1000)
                     return None
                 self.misses = 0
-                self._accept(batch)
+                self._ready.extend(accepted)
             return self._ready.popleft()
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
-    def _accept(self, batch: list[bytes | None]) -> None:
+    def _accept(self, batch: list[bytes | None]) -> list[MessageProxy]:
+        """The messages of ``batch`` for the worker threads; the others are set aside or held here."""
         delayed = self.queue_name.endswith(".DQ")
         accepted = []
         for data in batch:
@@ -482,9 +429,7 @@ class _Consumer(_RedisConsumer):
                 # One odd message must not take the consumer, and the batch fetched with it, down.
                 self.queued_message_ids.discard(message.message_id)
                 self._set_aside(data, f"cannot hold it for its unknown task type ({type(exc).__name__}: {exc})")
-        if accepted and not delayed and self.broker.on_fetch is not None:
-            self.broker.on_fetch(self.broker, accepted)
-        self._ready.extend(accepted)
+        return accepted
 
     def _set_aside(self, data: bytes, problem: str) -> None:
         moved = self.broker.set_aside_malformed(self.queue_name, data)

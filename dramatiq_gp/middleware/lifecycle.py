@@ -1,11 +1,15 @@
 """The worker's start-up and shutdown order (SPEC section 1), driven by Dramatiq's hooks.
 
-Start-up: telemetry and the register callback run when the :class:`~dramatiq_gp.Kit`
-is built (the dramatiq CLI imports it in each worker process); then, from
-``after_process_boot``, the broker is pinged (exit code 3 with a one-line error if
-it does not answer); then Dramatiq starts the consumers and the kit logs what runs.
+Start-up: telemetry and the register callback run when the application module
+is imported (the dramatiq CLI imports it in each worker process); then, from
+``after_process_boot``, telemetry starts and the broker is pinged (exit code 3
+with a one-line error if it does not answer); then Dramatiq starts the consumers
+and this middleware logs what runs, and the producers (the schedule's
+:class:`~dramatiq_gp.SchedulerLease`, the :class:`~dramatiq_gp.OutboxRelay`)
+start from their own ``after_worker_boot``.
 
-Shutdown on SIGTERM/SIGINT: ``before_worker_shutdown`` stops the producers;
+Shutdown on SIGTERM/SIGINT: the producers stop first, in their own
+``before_worker_shutdown`` (they come before this middleware in the list);
 Dramatiq drains in-flight tasks for up to ``WORKER_SHUTDOWN_TIMEOUT``;
 ``after_worker_shutdown`` puts back what did not finish, runs the closers LIFO
 (the kit's own first, then the application's) and flushes telemetry. Each step
@@ -16,30 +20,20 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
+import redis
 from dramatiq import Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.cli import RET_CONNECT
 
-from . import broker as gp_broker
-from .durations import format_duration
-from .errors import BrokerUnreachable
-from .telemetry import Telemetry
+from ..brokers.redis import RedisBroker
+from ..durations import format_duration
+from ..telemetry import Telemetry
 
 Closer = Callable[[], object]
-
-
-class Producer(Protocol):
-    """Something that puts work on the queues from its own thread: the relay, the schedule runner."""
-
-    name: str
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
 
 
 class Closers:
@@ -60,44 +54,61 @@ class Closers:
 
 
 class Lifecycle(Middleware):
-    """Start-up checks, drain bookkeeping and ordered shutdown for one worker process.
+    """Start-up check, drain bookkeeping, ordered shutdown and closers for one worker process.
+
+    Hooks: ``after_process_boot`` (starts ``telemetry``, pings the broker's Redis,
+    exits with code 3 in one line if it does not answer; the dramatiq CLI emits it,
+    a programmatic worker should too), ``before_worker_boot`` (makes the drain
+    honour ``shutdown_timeout_ms``), ``after_worker_boot``, ``before_`` and
+    ``after_process_message`` and ``after_skip_message`` (what is in flight),
+    ``before_worker_shutdown`` and ``after_worker_shutdown``. Works on any broker:
+    the ping needs one with a Redis ``client``, and returning unfinished tasks at
+    once needs :class:`dramatiq_gp.RedisBroker` (elsewhere they come back after
+    the broker's own timeout).
 
     Parameters:
         telemetry: started at process boot, flushed last at shutdown.
-        check_connection: pings the broker; raises :class:`BrokerUnreachable`.
-        producers: started with the consumers, stopped first at shutdown.
-        closers: run after the drain.
-        shutdown_timeout_ms: the drain limit; ``None`` keeps the CLI's.
+        shutdown_timeout_ms: the drain limit (``WORKER_SHUTDOWN_TIMEOUT``); ``None``
+            keeps the dramatiq CLI's ``--worker-shutdown-timeout``.
+        display: how to name the broker's address in logs (passwords hidden).
     """
 
     def __init__(
         self,
         *,
-        telemetry: Telemetry,
-        check_connection: Callable[[], None],
-        producers: Sequence[Producer],
-        closers: Closers,
-        shutdown_timeout_ms: int | None,
+        telemetry: Telemetry | None = None,
+        shutdown_timeout_ms: int | None = None,
+        display: str | None = None,
     ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.telemetry = telemetry
-        self.check_connection = check_connection
-        self.producers = producers
-        self.closers = closers
         self.shutdown_timeout_ms = shutdown_timeout_ms
+        self.display = display
+        self.closers = Closers()
         self._in_flight: dict[int, MessageProxy] = {}
         self._drain_timeout_ms = 600_000
 
+    def with_closer(self, name: str, close: Closer) -> Lifecycle:
+        """Run ``close()`` at shutdown, after in-flight tasks drained (last added, first run)."""
+        self.closers.app.append((name, close))
+        return self
+
     def after_process_boot(self, broker: Broker) -> None:
         # Here, in the worker process and after the fork, not when the app is imported.
-        self.telemetry.start()
+        if self.telemetry is not None:
+            self.telemetry.start()
+        client = getattr(broker, "client", None)
+        if not isinstance(client, redis.Redis):
+            return
+        where = self.display or _address(client)
         try:
-            self.check_connection()
-        except BrokerUnreachable as exc:
-            self.logger.error("start-up failed: %s", exc)
+            client.ping()
+        except redis.RedisError as exc:
+            self.logger.error("start-up failed: Redis/Valkey unreachable at %s: %s", where, exc)
             # SystemExit passes through Dramatiq's hook runner and ends this process
             # with the CLI's "broker connection failed" code.
             raise SystemExit(RET_CONNECT) from None
+        self.logger.info("start-up: broker reachable at %s", where)
 
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         stop = worker.stop
@@ -118,9 +129,6 @@ class Lifecycle(Middleware):
             ", ".join(consumed) or "no queues",
             len(worker.workers),
         )
-        for producer in self.producers:
-            producer.start()
-            self.logger.info("start-up: %s started", producer.name)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         self._in_flight[threading.get_ident()] = message
@@ -135,14 +143,9 @@ class Lifecycle(Middleware):
     ) -> None:
         self._in_flight.pop(threading.get_ident(), None)
 
-    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        self._in_flight.pop(threading.get_ident(), None)
+    after_skip_message = after_process_message
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
-        names = ", ".join(producer.name for producer in self.producers) or "none running"
-        self.logger.info("shutdown: stopping producers (%s)", names)
-        for producer in self.producers:
-            producer.stop()
         self.logger.info(
             "shutdown: draining in-flight tasks (up to %s)",
             format_duration(timedelta(milliseconds=self._drain_timeout_ms)),
@@ -152,15 +155,22 @@ class Lifecycle(Middleware):
         self._return_unfinished(broker)
         self.logger.info("shutdown: running closers")
         self.closers.run(self.logger)
-        self.logger.info("shutdown: flushing telemetry")
-        self.telemetry.flush()
+        if self.telemetry is not None:
+            self.logger.info("shutdown: flushing telemetry")
+            self.telemetry.flush()
 
     def _return_unfinished(self, broker: Broker) -> None:
         unfinished = list(self._in_flight.values())
         if not unfinished:
             self.logger.info("shutdown: in-flight tasks drained")
             return
-        assert isinstance(broker, gp_broker.Broker)
+        if not isinstance(broker, RedisBroker):
+            self.logger.warning(
+                "shutdown: %d task(s) still running at the drain timeout come back after %s's own timeout: %s",
+                len(unfinished), type(broker).__name__,
+                ", ".join(f"{m.actor_name}/{m.message_id}" for m in unfinished),
+            )  # fmt: skip
+            return
         for message in unfinished:
             try:
                 broker.settle(message.queue_name, message, "requeue")
@@ -174,3 +184,11 @@ class Lifecycle(Middleware):
             len(unfinished),
             ", ".join(f"{m.actor_name}/{m.message_id}" for m in unfinished),
         )
+
+
+def _address(client: redis.Redis) -> str:
+    """The Redis address of ``client``, without its password."""
+    kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    return f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"

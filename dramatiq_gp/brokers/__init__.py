@@ -1,0 +1,1 @@
+"""The brokers the kit's middleware can rely on: :class:`~dramatiq_gp.brokers.redis.RedisBroker`."""

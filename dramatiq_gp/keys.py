@@ -1,0 +1,123 @@
+"""Every Redis key the kit reads or writes, built here and nowhere else.
+
+Dramatiq's own layout (its ``brokers/redis/dispatch.lua``), under a namespace:
+
+* ``<ns>:<queue>``: the ids ready to fetch (a list), ``<ns>:<queue>.msgs``: id → message (a hash);
+* ``<ns>:<queue>.DQ`` / ``.DQ.msgs``: the delay queue, the same way;
+* ``<ns>:<queue>.XQ`` / ``.XQ.msgs``: the dead letters (a sorted set scored by the time, and a hash);
+* ``<ns>:__acks__.<broker id>.<queue>``: what one worker process fetched and has not settled;
+* ``<ns>:__heartbeats__``: the worker processes' last beats (a sorted set).
+
+The kit's own, under the same namespace: ``<ns>:gp:done:<message id>`` (the
+idempotency claim or done mark of a message id) and ``<ns>:gp:skipped`` (messages
+skipped for want of a handler, per task type). The scheduler's, under
+``<scheduler namespace>:scheduler:``: see :class:`SchedulerKeys`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dramatiq.common import dq_name, q_name
+
+#: Suffix of the hash holding a queue's messages.
+MESSAGES = ".msgs"
+
+
+def queue(namespace: str, queue_name: str) -> str:
+    return f"{namespace}:{queue_name}"
+
+
+def messages(namespace: str, queue_name: str) -> str:
+    return f"{namespace}:{queue_name}{MESSAGES}"
+
+
+def delay_queue(namespace: str, queue_name: str) -> str:
+    return f"{namespace}:{dq_name(q_name(queue_name))}"
+
+
+def delay_messages(namespace: str, queue_name: str) -> str:
+    return f"{delay_queue(namespace, queue_name)}{MESSAGES}"
+
+
+def dead(namespace: str, queue_name: str) -> str:
+    """The dead-letter set of ``queue_name`` (of its canonical queue, for a delay queue)."""
+    return f"{namespace}:{q_name(queue_name)}.XQ"
+
+
+def dead_messages(namespace: str, queue_name: str) -> str:
+    return f"{dead(namespace, queue_name)}{MESSAGES}"
+
+
+def acks(namespace: str, broker_id: str, queue_name: str) -> str:
+    return f"{namespace}:__acks__.{broker_id}.{queue_name}"
+
+
+def heartbeats(namespace: str) -> str:
+    return f"{namespace}:__heartbeats__"
+
+
+def done_prefix(namespace: str) -> str:
+    """Prefix of the per-message-id idempotency keys (``<prefix><message id>``)."""
+    return f"{namespace}:gp:done:"
+
+
+def skipped(namespace: str) -> str:
+    return f"{namespace}:gp:skipped"
+
+
+#: Patterns ``dramatiq-gp status`` scans for.
+def all_messages(namespace: str) -> str:
+    return f"{namespace}:*{MESSAGES}"
+
+
+def all_dead(namespace: str) -> str:
+    return f"{namespace}:*.XQ"
+
+
+ALL_SCHEDULER_ENTRIES = "*:scheduler:entries"
+
+
+@dataclass(frozen=True)
+class SchedulerKeys:
+    """The keys of one scheduler namespace (``SCHEDULER_NAMESPACE``, by default the queues')."""
+
+    namespace: str
+
+    @classmethod
+    def from_entries_key(cls, key: str) -> SchedulerKeys:
+        """The keys of the scheduler whose ``entries`` key is ``key`` (found by scanning)."""
+        return cls(key.removesuffix(":scheduler:entries"))
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.namespace}:scheduler"
+
+    @property
+    def lease(self) -> str:
+        """``<epoch>/<token>`` of the leader, with the lease TTL."""
+        return f"{self.prefix}:lease"
+
+    @property
+    def epoch(self) -> str:
+        """The fencing counter, incremented at every acquisition."""
+        return f"{self.prefix}:epoch"
+
+    @property
+    def leader(self) -> str:
+        """The leader's host, pid, epoch and acquisition time (a hash)."""
+        return f"{self.prefix}:leader"
+
+    @property
+    def last_fired(self) -> str:
+        """Entry name → the last tick fired, in ms (a hash)."""
+        return f"{self.prefix}:last_fired"
+
+    @property
+    def entries(self) -> str:
+        """Entry name → ``<spec>|<zone>``, published for ``dramatiq-gp status`` (a hash)."""
+        return f"{self.prefix}:entries"
+
+    def tick(self, entry: str, tick_ms: int) -> str:
+        """The claim of one tick of one entry."""
+        return f"{self.prefix}:tick:{entry}:{tick_ms}"

@@ -1,0 +1,68 @@
+"""The outbox relay as a middleware: one relay thread in every worker process.
+
+SQLAlchemy and psycopg are imported when the relay is built, at worker boot, so
+importing this module costs a worker without a database nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from dramatiq import Broker, Middleware, Worker
+
+from ..brokers.redis import RedisBroker, kit_broker
+from ..errors import one_line_at_start_up
+from ..settings import OutboxSettings
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from ..outbox import Relay
+
+
+class OutboxRelay(Middleware):
+    """Moves committed outbox events to the queue (see :mod:`dramatiq_gp.outbox.relay`).
+
+    Hooks: ``before_worker_boot`` (refuses any broker but
+    :class:`dramatiq_gp.RedisBroker`, which sends a batch in one round trip, all
+    or none), ``after_worker_boot`` (starts the relay thread) and
+    ``before_worker_shutdown`` (stops it once its current round commits: listed
+    before :class:`~dramatiq_gp.Lifecycle`, it stops before in-flight tasks drain).
+
+    Parameters:
+        engine: the database holding ``outbox_events``.
+        settings: ``OUTBOX_*``; read from the environment when not given.
+    """
+
+    name = "outbox relay"
+
+    def __init__(self, engine: sa.Engine, *, settings: OutboxSettings | None = None) -> None:
+        self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
+        self.engine = engine
+        self.settings = settings if settings is not None else OutboxSettings()
+        self.relay: Relay | None = None
+
+    def bind(self, broker: RedisBroker) -> Relay:
+        """The relay of this process, sending to ``broker`` (built once)."""
+        if self.relay is None:
+            from ..outbox import Relay
+
+            self.relay = Relay(engine=self.engine, broker=broker, settings=self.settings)
+        return self.relay
+
+    @one_line_at_start_up
+    def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        self.bind(kit_broker(broker, self))
+
+    def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        assert self.relay is not None
+        self.relay.start()
+        self.logger.info("start-up: %s started", self.name)
+
+    def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        if self.relay is None:
+            return
+        self.logger.info("shutdown: stopping %s", self.name)
+        self.relay.stop()
+        self.relay.close()
