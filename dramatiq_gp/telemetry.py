@@ -240,7 +240,8 @@ class Telemetry:
 
     Parameters:
         settings: the ``LOG_*``, ``OTEL_*`` and ``SENTRY_*`` groups are read.
-        namespace: names the Prometheus snapshot directory, so two apps on one host keep theirs apart.
+        namespace: names the Prometheus snapshot directory, so two apps on one host keep theirs
+            apart; ``VALKEY_NAMESPACE`` by default.
         tracer_provider: the application's provider for the kit's spans, instead of the global one.
 
     Raises:
@@ -249,13 +250,13 @@ class Telemetry:
     """
 
     def __init__(
-        self, settings: Settings, *, namespace: str, tracer_provider: trace.TracerProvider | None = None
+        self, settings: Settings, *, namespace: str | None = None, tracer_provider: trace.TracerProvider | None = None
     ) -> None:
         self.settings = settings
         configure_logging(settings.log, send_default_pii=settings.sentry.send_default_pii)
         #: The application's own provider for the kit's spans; ``None`` means the global one.
         self.tracer_provider = tracer_provider
-        self.namespace = namespace
+        self.namespace = namespace or settings.queue.namespace
         otel = settings.otel
         self._span_exporters = [span_exporter_factory(name) for name in otel.traces()]
         self._metric_exporters = [metric_exporter_factory(name) for name in otel.metrics() if name != "prometheus"]

@@ -20,6 +20,9 @@ from .deps import Dependencies
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDERS = 5
+#: The worker module: the Kit's (``worker.py``), or ``SHOP_WORKER=examples.shop.middleware_worker``
+#: for the same worker built as a middleware list.
+WORKER = os.environ.get("SHOP_WORKER", "examples.shop.worker")
 
 
 def _stream(process: subprocess.Popen[str], seen: list[str]) -> None:
@@ -42,7 +45,7 @@ def main() -> int:
     metadata.drop_all(engine)
     metadata.create_all(engine)
     print(
-        "== tables created (the outbox included); starting the worker: dramatiq examples.shop.worker",
+        f"== tables created (the outbox included); starting the worker: dramatiq {WORKER}",
         flush=True,
     )
 
@@ -50,7 +53,7 @@ def main() -> int:
     # The nightly report runs every 3 seconds here, so the demo shows a scheduled job firing.
     env = {**os.environ, "SHOP_REPORT_CRON": "@every 3s"}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "dramatiq", "examples.shop.worker", "--processes", "1", "--threads", "4"],
+        [sys.executable, "-m", "dramatiq", WORKER, "--processes", "1", "--threads", "4"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     threading.Thread(target=_stream, args=(worker, lines), daemon=True).start()

@@ -1,0 +1,30 @@
+"""A worker app whose only work is a module-level ``@gp.job``, built with the Kit or as a middleware list.
+
+Run as ``dramatiq tests.apps.module_job_app`` with ``REDIS_URL``, ``VALKEY_NAMESPACE``
+and ``GP_TEST_STYLE`` (``kit`` or ``middleware``); each run of the job counts
+itself in ``<namespace>:test:ticks``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dramatiq
+import redis
+
+import dramatiq_gp as gp
+
+namespace = os.environ["VALKEY_NAMESPACE"]
+counter = redis.Redis.from_url(os.environ["REDIS_URL"])
+
+
+@gp.job("test.module.tick", every="1s")
+def tick() -> None:
+    counter.incr(f"{namespace}:test:ticks")
+
+
+if os.environ["GP_TEST_STYLE"] == "kit":
+    broker = gp.Kit(registry=gp.Registry()).broker
+else:
+    broker = gp.RedisBroker(url=os.environ["REDIS_URL"], namespace=namespace, middleware=gp.default_middleware())
+    dramatiq.set_broker(broker)
