@@ -718,6 +718,9 @@ class Probe(Middleware):
             raise SystemExit(cli.RET_CONNECT)
 
     def before_worker_boot(self, broker, worker):
+        note(f"before_worker_boot in worker_process={booting()}")
+        if MODE == "worker_boot":
+            raise SystemExit(cli.RET_IMPORT)
         stop = worker.stop
 
         def stop_with_note(timeout=600_000):
@@ -770,6 +773,11 @@ def test_the_cli_exit_codes_the_kit_raises_are_import_2_and_connect_3():
     [
         ("import", 2, ["imported in worker_process=True"]),
         ("process_boot", 3, ["imported in worker_process=True", "after_process_boot"]),
+        (
+            "worker_boot",
+            2,
+            ["imported in worker_process=True", "after_process_boot", "before_worker_boot in worker_process=True"],
+        ),
     ],
 )
 def test_a_system_exit_while_a_worker_process_boots_becomes_the_commands_exit_code(
@@ -780,7 +788,8 @@ def test_a_system_exit_while_a_worker_process_boots_becomes_the_commands_exit_co
         assert process.wait(60) == code, (tmp_path / "log").read_text()
     finally:
         _end(process)
-    # Imported in the worker process, under worker_process; after_process_boot right after, before the worker.
+    # The application is imported, and the worker booted, under worker_process (the kit's one-line start-up
+    # errors look for its frame); after_process_boot comes right after the import, before the worker.
     assert _trace(tmp_path) == trace
 
 
@@ -795,6 +804,7 @@ def test_the_cli_stops_the_worker_through_its_stop_attribute_with_the_shutdown_t
     assert _trace(tmp_path) == [
         "imported in worker_process=True",
         "after_process_boot",
+        "before_worker_boot in worker_process=True",
         "after_worker_boot",
         "stop timeout=1234",
     ]
