@@ -27,8 +27,34 @@ tools see the same queues. On top of it:
   (``set_aside.lua``) with one error line; the rest of its batch runs as usual.
 
 The Lua scripts live beside this module in ``redis/``; every key they touch is
-built by :mod:`dramatiq_gp.keys`. The Dramatiq internals this module relies on are
-listed in ``docs/internals.md``, each pinned by ``tests/test_dramatiq_internals.py``.
+built by :mod:`dramatiq_gp.keys`.
+
+The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
+``docs/internals.md`` and pinned by ``tests/test_dramatiq_internals.py``):
+
+1. ``dramatiq.brokers.redis._RedisConsumer``, subclassed here: its constructor,
+   ``queued_message_ids``, ``misses``, ``outstanding_message_count``, and
+   ``ack``/``nack``/``requeue`` by ``options["redis_message_id"]``;
+2. ``RedisBroker._max_unpack_size()``, ``_should_do_maintenance()``,
+   ``do_requeue()``, ``scripts["dispatch"]``, ``broker_id``;
+3. the arguments and results of ``dispatch.lua``'s ``enqueue`` and ``fetch``;
+4. Dramatiq's Redis key layout (:mod:`dramatiq_gp.keys`), and what ack, nack,
+   requeue and maintenance do to it;
+5. ``Worker.work_queue`` (replaced in ``before_worker_boot`` by
+   :class:`~dramatiq_gp.WeightedQueue`), ``_WorkQueueItem``, ``workers``,
+   ``consumers`` and their ``prefetch``, ``_add_worker()``, and ``stop`` (rebound
+   by :class:`~dramatiq_gp.Lifecycle` for ``WORKER_SHUTDOWN_TIMEOUT``);
+6. ``ConsumerThread`` dropping its delayed messages on a connection error, and
+   ``post_process_message`` retrying a settlement until Redis answers;
+7. the text of Dramatiq's per-task log lines (replaced by
+   :class:`~dramatiq_gp.TaskLog`, or stripped of arguments by the log filter);
+8. the ``dramatiq`` command: ``worker_process`` on the stack while a worker
+   boots, ``RET_IMPORT``/``RET_CONNECT``, ``after_process_boot`` emitted by it
+   alone, the global broker run without ``module:variable``;
+9. the hook semantics: which exceptions ``emit_before``/``emit_after`` let
+   through, skips, the settlement after ``after_process_message``, and
+   ``Retries`` sending the same proxy through ``broker.enqueue``;
+10. ``MessageProxy`` and ``Message.copy``/``decode``, ``q_name``/``dq_name``.
 """
 
 from __future__ import annotations
@@ -412,7 +438,7 @@ class _Consumer(_RedisConsumer):
                 message = MessageProxy(Message.decode(data))
                 problem = _malformed(message)
             except DecodeError as exc:
-                problem = f"cannot decode it ({type(exc.error).__name__})"
+                problem = f"cannot decode it ({_cause(exc)})"
             if problem:
                 self._set_aside(data, problem)
                 continue
@@ -472,6 +498,14 @@ class _Consumer(_RedisConsumer):
                 self.queued_message_ids.discard(message.message_id)
         finally:
             self._freed.set()
+
+
+def _cause(error: DecodeError) -> str:
+    """What Dramatiq's decoder ran into: its own ``DecodeError`` wraps the JSON one."""
+    cause: BaseException = error
+    while isinstance(cause, DecodeError):
+        cause = cause.error
+    return type(cause).__name__
 
 
 def _malformed(message: MessageProxy) -> str:
