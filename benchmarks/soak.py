@@ -45,6 +45,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from dramatiq_gp.keys import SchedulerKeys, done_prefix
+
 ROOT = Path(__file__).resolve().parent.parent
 REPLICAS = 3
 LEASE_TTL_S = 3.0
@@ -196,7 +198,7 @@ class Soak:
 
         client = redis.Redis.from_url(self.redis.url)
         try:
-            pid = client.hget(f"{self.namespace}:scheduler:leader", "pid")
+            pid = client.hget(SchedulerKeys(self.namespace).leader, "pid")
         except redis.RedisError:
             return None
         finally:
@@ -407,7 +409,8 @@ class Soak:
                     name: fan_out_id(event_id, f"listener:shop.order_placed:{name}")
                     for name in ("send_confirmation", "record_sale", "audit")
                 }
-                entry["done_keys"] = {k: _text(client.get(f"{self.namespace}:gp:done:{v}")) for k, v in ids.items()}
+                done = done_prefix(self.namespace)
+                entry["done_keys"] = {k: _text(client.get(f"{done}{v}")) for k, v in ids.items()}
                 entry["dead_letters"] = [key for value, key in dead.items() if event_id in value]
             found.append(entry)
         client.close()

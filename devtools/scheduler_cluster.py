@@ -21,6 +21,8 @@ from pathlib import Path
 
 import redis
 
+from dramatiq_gp.keys import SchedulerKeys
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,7 +39,7 @@ class Cluster:
     def __init__(self, env: dict[str, str], log_dir: Path, size: int = 3) -> None:
         self.env = {**os.environ, **env}
         self.namespace = env["VALKEY_NAMESPACE"]
-        self.prefix = f"{env.get('SCHEDULER_NAMESPACE', self.namespace)}:scheduler"
+        self.keys = SchedulerKeys(env.get("SCHEDULER_NAMESPACE", self.namespace))
         self.client = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
         self.log_dir = log_dir
         self.processes: list[subprocess.Popen[bytes] | None] = [None] * size
@@ -60,8 +62,8 @@ class Cluster:
 
     def leader(self) -> tuple[int, int] | None:
         """(pid, epoch) of the current lease holder, if any."""
-        info = self.client.hgetall(f"{self.prefix}:leader")
-        if not info or self.client.pttl(f"{self.prefix}:lease") <= 0:
+        info = self.client.hgetall(self.keys.leader)
+        if not info or self.client.pttl(self.keys.lease) <= 0:
             return None
         return int(info["pid"]), int(info["epoch"])
 
