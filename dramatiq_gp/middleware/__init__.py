@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from dramatiq import Middleware
 from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
 
+from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
 from ..scheduler import Entry, Schedule, default_schedule
 from ..settings import Settings
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 
+@one_line_at_start_up
 def default_middleware(
     settings: Settings | None = None,
     *,

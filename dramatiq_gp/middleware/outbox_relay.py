@@ -13,7 +13,7 @@ from dramatiq import Broker, Middleware, Worker
 
 from ..brokers.redis import RedisBroker, kit_broker
 from ..errors import one_line_at_start_up
-from ..settings import OutboxSettings
+from ..settings import OutboxSettings, Settings
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -37,10 +37,11 @@ class OutboxRelay(Middleware):
 
     name = "outbox relay"
 
+    @one_line_at_start_up
     def __init__(self, engine: sa.Engine, *, settings: OutboxSettings | None = None) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.engine = engine
-        self.settings = settings if settings is not None else OutboxSettings()
+        self.settings = settings if settings is not None else Settings.from_env().outbox
         self.relay: Relay | None = None
 
     def bind(self, broker: RedisBroker) -> Relay:

@@ -11,7 +11,7 @@ from ..brokers.redis import RedisBroker, kit_broker
 from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
 from ..scheduler import Runner, Schedule, default_schedule
-from ..settings import SchedulerSettings
+from ..settings import SchedulerSettings, Settings
 
 
 class SchedulerLease(Middleware):
@@ -37,6 +37,7 @@ class SchedulerLease(Middleware):
 
     name = "schedule runner"
 
+    @one_line_at_start_up
     def __init__(
         self,
         schedule: Schedule | None = None,
@@ -46,7 +47,7 @@ class SchedulerLease(Middleware):
         tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
-        self.settings = settings if settings is not None else SchedulerSettings()
+        self.settings = settings if settings is not None else Settings.from_env().scheduler
         self.schedule = schedule if schedule is not None else default_schedule
         self.registry = registry if registry is not None else default_registry
         self.tracer_provider = tracer_provider
@@ -56,6 +57,7 @@ class SchedulerLease(Middleware):
         """The runner firing ``schedule`` into ``broker`` (built once); ``None`` for an empty schedule."""
         if self.runner is None and self.schedule:
             self.schedule.use_timezone(self.settings.timezone)
+            self.schedule.check_options(broker.actor_options)
             self.runner = Runner(
                 schedule=self.schedule,
                 broker=broker,
