@@ -21,7 +21,12 @@ _STARTED = "_gp_metrics_started"
 
 
 class Metrics(Middleware):
-    """Records the kit's message instruments."""
+    """Records the kit's message instruments.
+
+    Hooks: ``after_enqueue``, ``before_process_message``, ``after_process_message``
+    (listed before :class:`Retries`, it reads its verdict) and ``after_skip_message``.
+    Works on any broker.
+    """
 
     def __init__(self) -> None:
         self.instruments = instruments()

@@ -46,7 +46,13 @@ def _recovering(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class PanicRecovery(Middleware):
-    """Turns handler ``BaseException``s into retried failures and replaces dead worker threads."""
+    """Turns handler ``BaseException``s into retried failures and replaces dead worker threads.
+
+    Hooks: ``after_declare_actor`` (wraps each actor's function),
+    ``after_worker_boot`` (starts the supervisor) and ``before_worker_shutdown``.
+    Works on any broker; the supervisor uses the worker's ``workers`` and private
+    ``_add_worker()`` (see ``docs/internals.md``).
+    """
 
     def __init__(self) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")

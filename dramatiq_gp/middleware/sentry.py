@@ -73,6 +73,10 @@ def monitor_config(entry: Entry) -> dict[str, Any]:
 class Sentry(Middleware):
     """Per-message Sentry scopes, final-failure reports and Crons check-ins.
 
+    Hooks: ``before_process_message``, ``after_process_message`` (listed before
+    :class:`Retries`, it reads its verdict) and ``after_skip_message``. Works on
+    any broker; needs sentry-sdk (the ``sentry`` extra) and an initialised client.
+
     Parameters:
         send_default_pii: attach message arguments and local variables to events.
         job_entry: finds the schedule entry of a ``job:<name>`` message (for its

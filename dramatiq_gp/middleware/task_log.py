@@ -44,6 +44,11 @@ def _this_module(stack_info: bool = False, stacklevel: int = 1) -> tuple[str, in
 class TaskLog(Middleware):
     """Logs each task's start and outcome.
 
+    Hooks: ``before_process_message``, ``after_process_message`` (listed before
+    :class:`Retries`, it reads its verdict) and ``after_skip_message``; it filters
+    Dramatiq's own per-task lines out of ``dramatiq.worker.WorkerThread``. Works on
+    any broker.
+
     Parameters:
         logger_name: where the lines go (default ``dramatiq_gp.tasks``).
     """

@@ -45,6 +45,11 @@ def error_type(exc: BaseException) -> str:
 class Tracing(Middleware):
     """Producer and consumer spans, with the trace context carried in message options.
 
+    Hooks: ``before_enqueue``, ``after_enqueue``, ``before_process_message``,
+    ``after_process_message``, ``after_skip_message``, and the broker's
+    ``after_send_failed``. Works on any broker (see the module docstring for what
+    only :class:`dramatiq_gp.RedisBroker` reports).
+
     Parameters:
         tracer_provider: where the spans go; ``None`` means the global provider.
     """
