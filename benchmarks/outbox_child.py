@@ -21,8 +21,9 @@ from dramatiq import Message
 
 import dramatiq_gp as gp
 from benchmarks import outbox_common  # noqa: F401  (declares the event type)
+from dramatiq_gp.names import event_actor
 from dramatiq_gp.outbox import OUTBOX_EVENTS
-from dramatiq_gp.registry import EVENT_QUEUE, event_actor_name
+from dramatiq_gp.registry import EVENT_QUEUE
 
 T = OUTBOX_EVENTS.c
 
@@ -40,7 +41,7 @@ def naive_once(kit: gp.Kit, batch: int) -> int:
         ).all()
         for row in rows:
             envelope = {"id": str(row.id), "event": row.event, "data": row.payload}
-            message = Message(queue_name=EVENT_QUEUE, actor_name=event_actor_name(row.event), args=(envelope,),
+            message = Message(queue_name=EVENT_QUEUE, actor_name=event_actor(row.event), args=(envelope,),
                               kwargs={}, options={}, message_id=str(row.id))  # fmt: skip
             kit.broker.enqueue(message)
         if rows:

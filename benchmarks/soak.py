@@ -387,8 +387,8 @@ class Soak:
         import redis
         import sqlalchemy as sa
 
+        from dramatiq_gp.names import fan_out_id
         from dramatiq_gp.outbox.table import OUTBOX_EVENTS
-        from dramatiq_gp.registry import fan_out_id
 
         client = redis.Redis.from_url(self.redis.url)
         dead = {}
