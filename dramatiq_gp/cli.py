@@ -8,6 +8,7 @@ a password.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import uuid
@@ -244,36 +245,75 @@ def schedule() -> None:
 @click.option("-n", "count", default=5, show_default=True, help="how many fire times")
 @click.option("--tz", default=None, help="IANA zone (default: the entry's, or SCHEDULER_TIMEZONE)")
 def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
-    """The next fire times of a schedule entry (by name, as published by a worker) or of a cron spec.
+    """The next fire times of a cron spec, of a schedule entry, or of an APScheduler trigger.
+
+    ENTRY_OR_SPEC is a cron spec; or an entry's name, as a worker published it; or
+    module:attribute naming an APScheduler trigger object in your code.
 
     \b
     Examples:
       dramatiq-gp schedule next "30 6 * * 1-5" -n 3 --tz Europe/Budapest
       dramatiq-gp schedule next shop.nightly_sales_report
+      dramatiq-gp schedule next app.schedules:every_five_minutes
     """
+    from .scheduler.triggers import SpecTrigger, upcoming
+
     settings = _settings()
     spec_text, zone_name = entry_or_spec, tz or settings.scheduler.timezone
-    if not entry_or_spec.startswith("@") and len(entry_or_spec.split()) == 1:  # an entry name
-        client = _redis(settings)
-        scheduler = keys.SchedulerKeys(settings.scheduler.namespace or settings.queue.namespace)
-        prefix = scheduler.prefix
-        published = client.hget(scheduler.entries, entry_or_spec)
-        if published is None:
-            _fail(f"no schedule entry {entry_or_spec!r} published under {prefix!r}; give a cron spec instead")
-        text = published.decode() if isinstance(published, bytes) else str(published)
-        spec_text, _, entry_zone = text.rpartition("|")
-        zone_name = tz or entry_zone
-    try:
-        spec = parse(spec_text)
-        zone = ZoneInfo(zone_name)
-    except CronError as exc:
-        raise click.ClickException(str(exc)) from None
-    except (ZoneInfoNotFoundError, ValueError):
-        raise click.ClickException(f"--tz {zone_name!r} is not an IANA time zone (e.g. UTC, Europe/Budapest)") from None
-    at = datetime.now(UTC)
-    for _ in range(count):
-        at = spec.next_after(at, zone)
+    one_word = not entry_or_spec.startswith("@") and len(entry_or_spec.split()) == 1
+    if one_word and ":" in entry_or_spec:
+        trigger = _imported_trigger(entry_or_spec)
+        zone = _zone(zone_name)
+    else:
+        if one_word:  # an entry name
+            client = _redis(settings)
+            scheduler = keys.SchedulerKeys(settings.scheduler.namespace or settings.queue.namespace)
+            published = client.hget(scheduler.entries, entry_or_spec)
+            if published is None:
+                where = scheduler.prefix
+                _fail(f"no schedule entry {entry_or_spec!r} published under {where!r}; give a cron spec instead")
+            spec_text, _, entry_zone = _decoded(published).rpartition("|")
+            zone_name = tz or entry_zone
+            try:
+                parse(spec_text)
+            except CronError:  # an APScheduler trigger: the leader publishes its next fire times
+                zone = _zone(zone_name)
+                times = json.loads(_decoded(client.hget(scheduler.upcoming, entry_or_spec) or "[]"))
+                for text in [t for t in times if datetime.fromisoformat(t) > datetime.now(UTC)][:count]:
+                    click.echo(datetime.fromisoformat(text).astimezone(zone).isoformat())
+                return
+        try:
+            zone = _zone(zone_name)
+            trigger = SpecTrigger(parse(spec_text), zone)
+        except CronError as exc:
+            raise click.ClickException(str(exc)) from None
+    for at in upcoming(trigger, datetime.now(UTC), count):
         click.echo(at.astimezone(zone).isoformat())
+
+
+def _zone(name: str) -> ZoneInfo:
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise click.ClickException(f"--tz {name!r} is not an IANA time zone (e.g. UTC, Europe/Budapest)") from None
+
+
+def _imported_trigger(path: str) -> Any:
+    from apscheduler.triggers.base import BaseTrigger
+
+    module_name, _, attribute = path.partition(":")
+    sys.path.insert(0, str(Path.cwd()))  # as the dramatiq command finds the application
+    try:
+        trigger = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise click.ClickException(f"cannot import {path!r}: {exc}") from None
+    if not isinstance(trigger, BaseTrigger):
+        raise click.ClickException(f"{path!r} is a {type(trigger).__name__}, not an APScheduler trigger")
+    return trigger
+
+
+def _decoded(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 # -- generators --------------------------------------------------------------------
@@ -456,7 +496,7 @@ def status(as_json: bool) -> None:
         )
         click.echo(f"scheduler {scheduler['namespace']}: leader {who}")
         for entry in scheduler["entries"]:
-            line = f"  {entry['name']}  {entry['spec']} ({entry['zone']})"
+            line = f"  {entry['name']}  {entry['trigger']} ({entry['zone']})"
             click.echo(f"{line}  next {entry['next_fire']}  last {entry['last_fired']}")
     if report["outbox"] is not None:
         box = report["outbox"]

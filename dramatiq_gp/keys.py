@@ -115,8 +115,13 @@ class SchedulerKeys:
 
     @property
     def entries(self) -> str:
-        """Entry name → ``<spec>|<zone>``, published for ``dramatiq-gp status`` (a hash)."""
+        """Entry name → ``<trigger>|<zone>``, published for ``dramatiq-gp status`` (a hash)."""
         return f"{self.prefix}:entries"
+
+    @property
+    def upcoming(self) -> str:
+        """Entry name → its next fire times as a JSON list, for triggers other than cron strings (a hash)."""
+        return f"{self.prefix}:upcoming"
 
     def tick(self, entry: str, tick_ms: int) -> str:
         """The claim of one tick of one entry."""

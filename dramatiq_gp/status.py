@@ -7,6 +7,7 @@ command needs no application code.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -14,7 +15,7 @@ from zoneinfo import ZoneInfo
 import redis
 
 from . import keys
-from .scheduler.cron import parse
+from .scheduler.cron import CronError, parse
 
 
 def _text(value: Any) -> str:
@@ -31,16 +32,26 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
         leader = {"host": info["host"], "pid": int(info["pid"]), "epoch": int(info["epoch"]),
                   "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat()}  # fmt: skip
     last = {_text(k): int(v) for k, v in client.hgetall(scheduler.last_fired).items()}
+    published = {_text(k): json.loads(v) for k, v in client.hgetall(scheduler.upcoming).items()}
     entries = []
-    for name, spec_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(scheduler.entries).items()):
-        spec, _, zone = spec_zone.rpartition("|")
+    for name, trigger_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(scheduler.entries).items()):
+        trigger, _, zone = trigger_zone.rpartition("|")
         last_ms = last.get(name)
         entries.append({
-            "name": name, "spec": spec, "zone": zone,
-            "next_fire": parse(spec).next_after(now, ZoneInfo(zone)).isoformat(),
+            "name": name, "trigger": trigger, "zone": zone,
+            "next_fire": _next_fire(trigger, ZoneInfo(zone), published.get(name, []), now),
             "last_fired": datetime.fromtimestamp(last_ms / 1000, UTC).isoformat() if last_ms is not None else None,
         })  # fmt: skip
     return {"namespace": scheduler.namespace, "leader": leader, "entries": entries}
+
+
+def _next_fire(trigger: str, zone: ZoneInfo, published: list[str], now: datetime) -> str | None:
+    """A cron string's next fire, computed here; another trigger's, as the workers published it."""
+    try:
+        spec = parse(trigger)
+    except CronError:
+        return next((t for t in published if datetime.fromisoformat(t) > now), None)
+    return spec.next_after(now, zone).isoformat()
 
 
 def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:

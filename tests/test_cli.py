@@ -140,7 +140,7 @@ def test_status_reports_the_leader_the_outbox_backlog_and_the_queues(make_kit, e
     assert (leader["host"], leader["pid"]) == (socket.gethostname(), os.getpid())
     assert leader["epoch"] == kit.scheduler.lease.epoch
     assert [e["name"] for e in scheduler["entries"]] == ["heartbeat"]
-    assert scheduler["entries"][0]["spec"] == "@every 1h"
+    assert scheduler["entries"][0]["trigger"] == "@every 1h"
     assert report["outbox"]["pending"] == 3 and report["outbox"]["set_aside"] == 0
     mail = next(q for q in report["queues"] if q["name"] == "mail")
     assert (mail["ready"], mail["in_flight"], mail["delayed"], mail["dead"]) == (2, 0, 1, 0)

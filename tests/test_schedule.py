@@ -43,9 +43,9 @@ def test_every_method_returns_the_schedule_and_names_default_sensibly():
     )
     entries = {entry.name: entry for entry in schedule}
     assert len(schedule) == 4
-    assert entries["test.schedule.sync_inventory"].spec.text == "@every 15m"
+    assert entries["test.schedule.sync_inventory"].text == "@every 15m"
     assert entries["test.schedule.sync_inventory"].actor_name == "schedule:test.schedule.sync_inventory"
-    assert entries["test.schedule.digest_due"].spec.text == "30 6 * * *"
+    assert entries["test.schedule.digest_due"].text == "30 6 * * *"
     assert entries["test.schedule.digest_due"].queue == "mail"
     assert entries["monday_digest"].zone.key == "America/New_York"
     assert entries["monday_digest"].options == {"max_retries": 3}

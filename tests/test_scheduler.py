@@ -62,7 +62,7 @@ def test_the_leader_fires_a_job_each_tick_under_the_ticks_id(runner_kit, rdb, na
     assert status["this_process_leads"] is True
     assert status["leader"]["epoch"] >= 1
     (entry,) = status["entries"]
-    assert entry["name"] == "heartbeat" and entry["spec"] == "@every 1s" and entry["last_fired"] is not None
+    assert entry["name"] == "heartbeat" and entry["trigger"] == "@every 1s" and entry["last_fired"] is not None
     assert entry["next_fire"] > entry["last_fired"]
     kit.scheduler.stop()
     assert rdb.exists(f"{namespace}:scheduler:lease") == 0  # released at once

@@ -40,8 +40,9 @@ from sentry_sdk.crons.consts import MonitorStatus
 from sentry_sdk.utils import event_from_exception
 
 from ..names import job_name
-from ..scheduler.cron import DESCRIPTORS, Cron, Every
+from ..scheduler.cron import DESCRIPTORS
 from ..scheduler.schedule import Entry
+from ..scheduler.triggers import crontab_of, interval_of
 from .retries import expected_failure
 from .tracing import DELIVERY
 
@@ -56,17 +57,23 @@ def monitor_slug(entry_name: str) -> str:
     return _SLUG.sub("-", entry_name.lower()).strip("-")[:50] or "job"
 
 
-def monitor_config(entry: Entry) -> dict[str, Any]:
-    """The entry's schedule in Sentry's monitor configuration."""
+def monitor_config(entry: Entry) -> dict[str, Any] | None:
+    """The entry's schedule in Sentry's monitor configuration; ``None`` for a trigger Sentry cannot describe.
+
+    Sentry knows crontabs and fixed intervals; a check-in without a configuration
+    still reaches a monitor created in Sentry by hand.
+    """
     config: dict[str, Any] = {"timezone": entry.zone.key}
-    if isinstance(entry.spec, Every):
+    interval, crontab = interval_of(entry.trigger), crontab_of(entry.trigger)
+    if interval is not None:
         # Sentry's shortest interval unit is the minute.
         config["schedule"] = {"type": "interval", "unit": "minute",
-                              "value": max(1, math.ceil(entry.spec.interval.total_seconds() / 60))}  # fmt: skip
-    else:
-        assert isinstance(entry.spec, Cron)
-        text = " ".join(entry.spec.text.split()).lower()
+                              "value": max(1, math.ceil(interval.total_seconds() / 60))}  # fmt: skip
+    elif crontab is not None:
+        text = " ".join(crontab.split()).lower()
         config["schedule"] = {"type": "crontab", "value": DESCRIPTORS.get(text, text)}
+    else:
+        return None
     return config
 
 

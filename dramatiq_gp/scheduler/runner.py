@@ -1,9 +1,16 @@
-"""The schedule runner: fires the schedule's ticks while this process holds the lease.
+"""The schedule runner: APScheduler is the timer, the lease gates it, and each tick fires once.
+
+In every worker process an APScheduler 3 ``BackgroundScheduler`` holds one job per
+schedule entry, with the entry's trigger (:mod:`dramatiq_gp.scheduler.triggers`).
+It runs only while this process holds the lease (:mod:`dramatiq_gp.scheduler.lease`):
+it starts paused, resumes once a takeover has caught up, and is paused the moment
+the lease is lost or runs out without a confirmed renewal. Its jobs go to
+:class:`TickExecutor`, which hands the scheduled run times to the runner: every
+tick knows its own time.
 
 The leader only enqueues (``job:<name>`` or ``schedule:<event>``); any worker runs
-what it enqueued, under the usual queues and retries.
-
-Firing a tick is one Lua call that, atomically,
+what it enqueued, under the usual queues and retries. Firing a tick is one Lua
+call (``runner/fire.lua``) that, atomically,
 
 1. checks the lease still holds this leader's ``<epoch>/<token>`` (an old leader
    waking from a pause finds another value and fires nothing);
@@ -12,24 +19,31 @@ Firing a tick is one Lua call that, atomically,
 3. pushes the message onto its queue, under an id derived from the tick, and
    records the tick as the entry's last fired.
 
-So no tick is enqueued twice, and none is claimed without being enqueued. A new
-leader reads the last fired tick of each entry and fires the ticks missed during
-the takeover under ``SCHEDULER_CATCHUP``: ``none``, ``latest`` (default: the most
-recent one within ``SCHEDULER_CATCHUP_GRACE``) or ``all`` (every one within the
-grace, up to ``SCHEDULER_CATCHUP_MAX``). It keeps nothing in memory across
-leaderships; the timer is a plain loop that sleeps until the next tick.
+So no tick is enqueued twice, and none is claimed without being enqueued.
+APScheduler's own misfire handling is off (``misfire_grace_time=None``,
+``coalesce=False``): while this process leads, every due tick fires, late if need
+be. What a new leader fires of the ticks missed during a takeover is decided from
+the entries' last fired ticks in Redis, never from APScheduler's memory, under
+``SCHEDULER_CATCHUP``: ``none``, ``latest`` (default: the most recent one within
+``SCHEDULER_CATCHUP_GRACE``, as APScheduler's ``coalesce``) or ``all`` (every one
+within the grace, APScheduler's ``misfire_grace_time``, up to ``SCHEDULER_CATCHUP_MAX``);
+then each job's next run is set to its first tick after now, so APScheduler never
+replays a stale one.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
+from apscheduler.schedulers.background import BackgroundScheduler
 from dramatiq import Actor, Message
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -43,16 +57,21 @@ from ..names import tick_message_id
 from ..registry import Registry, idempotent_option, send_all
 from ..settings import SchedulerSettings
 from ..status import scheduler_status
+from .executor import TickExecutor
 from .lease import Lease
 from .schedule import Entry, Schedule
+from .triggers import SpecTrigger, first_at_or_after, following, upcoming
 
 _SCRIPTS = scripts(__file__)
 
 
 #: A tick's claim key outlives the catch-up grace by this much (older ticks never fire).
 TICK_KEY_MARGIN_MS = 60_000
-#: The timer never sleeps longer than this, so it notices leadership changes and stops.
+#: The leadership thread looks at the lease at least this often, to pause the timer when it runs out.
 MAX_SLEEP_S = 0.25
+#: How many next fire times of an APScheduler trigger are published for ``dramatiq-gp status``.
+UPCOMING = 5
+_TICK = timedelta(microseconds=1)
 
 
 def _ms(instant: datetime) -> int:
@@ -92,8 +111,15 @@ class Runner:
         self._tick_ttl_ms = int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS
         self._stop = threading.Event()
         self._wake = threading.Event()
+        #: The entries' last fired ticks must be read again before firing (after a Redis error).
+        self._stale = threading.Event()
         self._thread: threading.Thread | None = None
-        self._next: dict[str, datetime] = {}
+        self._timer = BackgroundScheduler(
+            timezone=UTC,
+            executors={TickExecutor.ALIAS: TickExecutor()},
+            # Every due tick fires while this process leads; catch-up after a takeover is the kit's.
+            job_defaults={"misfire_grace_time": None, "coalesce": False, "max_instances": 1},
+        )
         self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
         self._declare_actors()
         observe("dramatiq_gp.scheduler.leader", "1", "1 in the process that holds the scheduler lease, else 0",
@@ -102,14 +128,22 @@ class Runner:
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
+        """Contend for the lease; the timer runs while this process holds it."""
         self._stop.clear()
         # Published for ``dramatiq-gp status``, which reads Redis, not the application.
-        self.broker.client.hset(
-            self.keys.entries,
-            mapping={entry.name: f"{entry.spec.text}|{entry.zone.key}" for entry in self.schedule},
+        client = self.broker.client
+        client.hset(
+            self.keys.entries, mapping={entry.name: f"{entry.text}|{entry.zone.key}" for entry in self.schedule}
         )
+        for entry in self.schedule:
+            self._timer.add_job(
+                functools.partial(self._fire_due, entry), trigger=entry.trigger, id=entry.name, name=entry.name,
+                executor=TickExecutor.ALIAS, next_run_time=None,  # paused until this process leads
+            )  # fmt: skip
+            self._publish_upcoming(entry, datetime.now(UTC))
+        self._timer.start(paused=True)
         self.lease.start()
-        self._thread = threading.Thread(target=self._run, name="gp-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="gp-scheduler-leadership", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -118,6 +152,8 @@ class Runner:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(5)
+        if self._timer.running:
+            self._timer.shutdown(wait=False)
         self.lease.stop()
 
     def status(self) -> dict[str, Any]:
@@ -145,76 +181,96 @@ class Runner:
                 Actor(_fan_out_fn(self.registry, broker), broker=broker, actor_name=entry.actor_name,
                       queue_name=entry.queue, priority=0, options=idempotent)  # fmt: skip
 
-    # -- the timer -----------------------------------------------------------------
+    # -- leadership ----------------------------------------------------------------
 
     def _leadership_changed(self, leading: bool) -> None:
         self._wake.set()
 
     def _run(self) -> None:
+        """Gate the timer: paused unless this process leads, resumed once a takeover caught up."""
         leading_epoch = None
         while not self._stop.is_set():
             self._wake.clear()
+            if not self.lease.is_held():
+                self._timer.pause()
+                leading_epoch = None
+                self._wake.wait(MAX_SLEEP_S)
+                continue
+            if leading_epoch == self.lease.epoch and not self._stale.is_set():
+                self._wake.wait(MAX_SLEEP_S)
+                continue
+            self._timer.pause()
+            self._stale.clear()
             try:
-                if not self.lease.is_held():
-                    leading_epoch = None
-                    self._wake.wait(MAX_SLEEP_S)
-                    continue
-                if leading_epoch != self.lease.epoch:
-                    self._take_over()
-                    leading_epoch = self.lease.epoch
-                self._fire_due()
+                caught_up = self._take_over()
             except redis.RedisError as exc:
                 self.logger.warning("schedule runner: Redis error, retrying: %s", exc)
-                leading_epoch = None  # look at the last fired ticks again
+                self._stale.set()  # look at the last fired ticks again
                 self._stop.wait(1)
+                continue
+            if caught_up and self.lease.is_held():
+                leading_epoch = self.lease.epoch
+                self._timer.resume()
 
-    def _fire_due(self) -> None:
-        now = datetime.now(UTC)
-        due = sorted((tick, name) for name, tick in self._next.items() if tick <= now)
-        entries = {entry.name: entry for entry in self.schedule}
-        for tick, name in due:
-            if not self._fire(entries[name], tick):
-                return
-            self._next[name] = entries[name].next_after(tick)
-        if not due:
-            sleep = (min(self._next.values()) - datetime.now(UTC)).total_seconds()
-            self._wake.wait(min(max(sleep, 0.0), MAX_SLEEP_S))
-
-    def _take_over(self) -> None:
-        """Pick up where the last leader stopped, firing missed ticks under the catch-up policy."""
+    def _take_over(self) -> bool:
+        """Pick up where the last leader stopped: fire missed ticks under the catch-up policy,
+        then start each job at its first tick after now. False if the lease was lost meanwhile."""
         now = datetime.now(UTC)
         last = {_text(k): int(v) for k, v in self.broker.client.hgetall(self.covered_key).items()}
         policy, grace = self.settings.catchup, self.settings.catchup_grace
-        self._next = {}
         for entry in self.schedule:
             if entry.name not in last:
                 # A new entry starts now; recording that keeps the next leader from
                 # treating the time before it as missed.
                 self.broker.client.hsetnx(self.covered_key, entry.name, _ms(now))
-                self._next[entry.name] = entry.next_after(now)
+                self._timer.modify_job(entry.name, next_run_time=first_at_or_after(entry.trigger, now + _TICK))
                 continue
-            since = max(datetime.fromtimestamp(last[entry.name] / 1000, UTC), now - grace)
+            since = datetime.fromtimestamp(last[entry.name] / 1000, UTC)
             missed, skipped = [], 0
-            tick = entry.next_after(since)
-            while tick <= now:
+            tick = first_at_or_after(entry.trigger, max(since + _TICK, now - grace))
+            while tick is not None and tick <= now:
                 missed.append(tick)
                 if len(missed) > self.settings.catchup_max:
                     missed.pop(0)
                     skipped += 1
-                tick = entry.next_after(tick)
+                tick = following(entry.trigger, tick)
             chosen = {"none": [], "latest": missed[-1:], "all": missed}[policy]
             skipped += len(missed) - len(chosen)
             if skipped:
                 self.logger.warning(
                     "schedule runner: %s: %d missed tick(s) not fired (SCHEDULER_CATCHUP=%s)",
-                    entry.name,
-                    skipped,
-                    policy,
-                )
-            for tick in chosen:
-                if not self._fire(entry, tick, catching_up=True):
+                    entry.name, skipped, policy,
+                )  # fmt: skip
+            for missed_tick in chosen:
+                if not self._fire(entry, missed_tick, catching_up=True):
+                    return False
+            self._timer.modify_job(entry.name, next_run_time=tick)
+        return True
+
+    # -- firing ----------------------------------------------------------------------
+
+    def _fire_due(self, entry: Entry, *run_times: datetime) -> None:
+        """Fire ``entry``'s ticks that APScheduler found due, in order (in the timer's thread)."""
+        for tick in run_times:
+            try:
+                if not self._fire(entry, tick):
+                    self._timer.pause()
                     return
-            self._next[entry.name] = entry.next_after(now)
+            except redis.RedisError as exc:
+                self.logger.warning("schedule runner: Redis error, retrying: %s", exc)
+                # The timer moves on; the takeover's catch-up, from the last fired ticks, does not.
+                self._timer.pause()
+                self._stale.set()
+                self._wake.set()
+                return
+        self._publish_upcoming(entry, run_times[-1])
+
+    def _publish_upcoming(self, entry: Entry, after: datetime) -> None:
+        """Write where ``dramatiq-gp status`` reads an APScheduler trigger's next fires (it computes cron ones)."""
+        if isinstance(entry.trigger, SpecTrigger):
+            return
+        times = [t.isoformat() for t in upcoming(entry.trigger, after, UPCOMING)]
+        self.broker.client.hset(self.keys.upcoming, entry.name, json.dumps(times))
 
     def _fire(self, entry: Entry, tick: datetime, *, catching_up: bool = False) -> bool:
         """Enqueue ``entry``'s ``tick``; False when this process turns out not to lead."""

@@ -20,19 +20,24 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, overload
+from typing import Any, TypeAlias, overload
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from apscheduler.triggers.base import BaseTrigger
 
 from ..durations import format_duration, parse_duration
 from ..errors import EventEncodeError, EventError, GPError, one_line_at_start_up
 from ..events import EventType, event_type
 from ..names import NAME, job_actor, schedule_actor
 from ..settings import QUEUE_NAME
-from .cron import CronError, Spec, parse
+from .cron import CronError, parse
+from .triggers import SpecTrigger, first_at_or_after
 
 _HH_MM = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 
 JobHandler = Callable[..., object]
+#: When an entry fires: a cron spec (five fields, a descriptor, ``@every``) or an APScheduler trigger.
+When: TypeAlias = str | BaseTrigger
 
 
 class ScheduleError(GPError, ValueError):
@@ -44,7 +49,8 @@ class Entry:
     """One line of the schedule."""
 
     name: str
-    spec: Spec
+    #: When it fires: the kit's cron engine (:class:`SpecTrigger`) or any APScheduler trigger.
+    trigger: BaseTrigger
     zone: ZoneInfo
     queue: str
     #: Options of the message enqueued at each firing (``max_retries``, ``time_limit``...).
@@ -62,8 +68,21 @@ class Entry:
     def actor_name(self) -> str:
         return job_actor(self.name) if self.handler is not None else schedule_actor(self.event.name)  # type: ignore[union-attr]
 
-    def next_after(self, after: datetime) -> datetime:
-        return self.spec.next_after(after, self.zone)
+    @property
+    def text(self) -> str:
+        """The trigger as written: the cron spec, or the APScheduler trigger's own description."""
+        return str(self.trigger)
+
+    def next_after(self, after: datetime) -> datetime | None:
+        """The first fire strictly after ``after``; ``None`` when it fires no more."""
+        return first_at_or_after(self.trigger, after + timedelta(microseconds=1))
+
+    def in_zone(self, zone: ZoneInfo) -> Entry:
+        """This entry evaluated in ``zone``, unless it gave its own (``tz=``) or its trigger has its own."""
+        if self.fixed_zone:
+            return self
+        trigger = SpecTrigger(self.trigger.spec, zone) if isinstance(self.trigger, SpecTrigger) else self.trigger
+        return replace(self, trigger=trigger, zone=zone)
 
 
 class Schedule:
@@ -99,28 +118,31 @@ class Schedule:
 
     @one_line_at_start_up
     def cron(
-        self, spec: str, event: object, *, name: str | None = None, tz: str | None = None, **options: Any
+        self, spec: When, event: object, *, name: str | None = None, tz: str | None = None, **options: Any
     ) -> Schedule:
-        """Dispatch ``event`` whenever the cron ``spec`` fires."""
+        """Dispatch ``event`` whenever ``spec`` fires: a cron spec, or any APScheduler trigger."""
         return self._add_event(spec, event, name, tz, options)
 
     @overload
-    def job(self, name: str, spec: str, handler: JobHandler, *, tz: str | None = None, **options: Any) -> Schedule: ...
+    def job(self, name: str, spec: When, handler: JobHandler, *, tz: str | None = None, **options: Any) -> Schedule: ...
 
     @overload
     def job(
-        self, name: str, spec: str, handler: None = None, *, tz: str | None = None, **options: Any
+        self, name: str, spec: When, handler: None = None, *, tz: str | None = None, **options: Any
     ) -> Callable[[JobHandler], JobHandler]: ...
 
     @one_line_at_start_up
     def job(
-        self, name: str, spec: str, handler: JobHandler | None = None, *, tz: str | None = None, **options: Any
+        self, name: str, spec: When, handler: JobHandler | None = None, *, tz: str | None = None, **options: Any
     ) -> Schedule | Callable[[JobHandler], JobHandler]:
         """Run ``handler`` (task ``job:<name>``) whenever ``spec`` fires; without a handler, a decorator.
 
-        The handler takes no argument, or one: the scheduled time (an aware datetime
-        in the entry's zone). What it raises is retried (``max_retries=`` to change
-        the budget); options such as ``queue``, ``time_limit`` apply to each firing.
+        ``spec`` is a cron spec (standard five fields, a descriptor, ``@every``) or any
+        APScheduler trigger (``IntervalTrigger(minutes=5, start_date=...)``,
+        ``DateTrigger(...)``...). The handler takes no argument, or one: the scheduled
+        time (an aware datetime in the entry's zone). What it raises is retried
+        (``max_retries=`` to change the budget); options such as ``queue``,
+        ``time_limit`` apply to each firing.
         """
         if handler is None:
 
@@ -141,9 +163,7 @@ class Schedule:
     def use_timezone(self, timezone: str) -> None:
         """Evaluate the entries that gave no ``tz=`` of their own in ``timezone`` (``SCHEDULER_TIMEZONE``)."""
         self.zone = _zone(timezone, "the schedule")
-        self._entries = {
-            name: entry if entry.fixed_zone else replace(entry, zone=self.zone) for name, entry in self._entries.items()
-        }
+        self._entries = {name: entry.in_zone(self.zone) for name, entry in self._entries.items()}
 
     @one_line_at_start_up
     def check_options(self, known: set[str]) -> None:
@@ -164,7 +184,7 @@ class Schedule:
             ScheduleError: an entry name is taken here already.
         """
         for entry in other:
-            self._add(entry if entry.fixed_zone else replace(entry, zone=self.zone))
+            self._add(entry.in_zone(self.zone))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -173,12 +193,12 @@ class Schedule:
         return iter(self.entries)
 
     def _add_event(
-        self, spec: str, event: object, name: str | None, tz: str | None, options: dict[str, Any]
+        self, spec: When, event: object, name: str | None, tz: str | None, options: dict[str, Any]
     ) -> Schedule:
         try:
             kind = event_type(event)
         except EventError as exc:
-            raise ScheduleError(f"schedule entry {name or spec!r}: {exc}") from None
+            raise ScheduleError(f"schedule entry {name or str(spec)!r}: {exc}") from None
         if isinstance(event, type):
             raise ScheduleError(f"schedule entry {name or kind.name!r}: give an event instance, not the class")
         name = name or kind.name
@@ -189,13 +209,19 @@ class Schedule:
         self._add(Entry(name=name, event=kind, payload=payload, **self._common(name, spec, tz, options)))
         return self
 
-    def _common(self, name: str, spec: str, tz: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    def _common(self, name: str, spec: When, tz: str | None, options: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ScheduleError(f"schedule entry {name!r}: a name is letters, digits, '_', '.', '-'")
-        try:
-            parsed = parse(spec)
-        except CronError as exc:
-            raise ScheduleError(f"schedule entry {name!r}: {exc}") from None
+        zone = self.zone if tz is None else _zone(tz, f"schedule entry {name!r}")
+        if isinstance(spec, BaseTrigger):
+            trigger = spec
+        elif isinstance(spec, str):
+            try:
+                trigger = SpecTrigger(parse(spec), zone)
+            except CronError as exc:
+                raise ScheduleError(f"schedule entry {name!r}: {exc}") from None
+        else:
+            raise ScheduleError(f"schedule entry {name!r}: {spec!r} is neither a cron spec nor an APScheduler trigger")
         options = dict(options)
         queue = options.pop("queue", "default")
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
@@ -206,8 +232,8 @@ class Schedule:
             json.dumps(options)
         except TypeError as exc:
             raise ScheduleError(f"schedule entry {name!r}: options travel as JSON ({exc})") from None
-        zone = self.zone if tz is None else _zone(tz, f"schedule entry {name!r}")
-        return {"spec": parsed, "zone": zone, "fixed_zone": tz is not None, "queue": queue, "options": options}
+        fixed = tz is not None or not isinstance(trigger, SpecTrigger)
+        return {"trigger": trigger, "zone": zone, "fixed_zone": fixed, "queue": queue, "options": options}
 
     def _add(self, entry: Entry) -> None:
         if entry.name in self._entries:
@@ -262,13 +288,15 @@ def job(
     *,
     cron: str | None = None,
     every: str | timedelta | None = None,
+    trigger: BaseTrigger | None = None,
     tz: str | None = None,
     **options: Any,
 ) -> Callable[[JobHandler], JobHandler]:
     """Decorator: run the function as the job ``name`` (task ``job:<name>``) on a schedule.
 
-    Give one of ``cron`` (a cron spec, ``@daily``, ``@every 90s``...) or ``every``
-    (``"5m"`` or a ``timedelta``). Options as for :meth:`Schedule.job`. The entry
+    Give one of ``cron`` (a cron spec, ``@daily``, ``@every 90s``...), ``every``
+    (``"5m"`` or a ``timedelta``) or ``trigger`` (any APScheduler trigger, such as
+    ``IntervalTrigger(minutes=5, start_date=...)``). Options as for :meth:`Schedule.job`. The entry
     joins :data:`default_schedule`, which every worker's Kit or
     :class:`~dramatiq_gp.SchedulerLease` fires::
 
@@ -276,17 +304,18 @@ def job(
         def nightly_report() -> None: ...
 
     Raises:
-        ScheduleError: neither or both of ``cron`` and ``every``, or a bad entry.
+        ScheduleError: not exactly one of ``cron``, ``every`` and ``trigger``, or a bad entry.
     """
-    if every is not None and cron is None:
+    if [cron, every, trigger].count(None) != 2:
+        raise ScheduleError(f"schedule entry {name!r}: give one of cron=, every= and trigger=")
+    spec: When
+    if every is not None:
         interval = every if isinstance(every, timedelta) else _interval(name, every)
         if interval < timedelta(seconds=1):
             raise ScheduleError(f"schedule entry {name!r}: every= must be at least 1s")
         spec = f"@every {format_duration(interval)}"
-    elif cron is not None and every is None:
-        spec = cron
     else:
-        raise ScheduleError(f"schedule entry {name!r}: give cron= or every=, one of them")
+        spec = cron if cron is not None else trigger
 
     def decorate(handler: JobHandler) -> JobHandler:
         default_schedule.job(name, spec, handler, tz=tz, **options)
