@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -60,7 +60,7 @@ from ..status import scheduler_status
 from .executor import TickExecutor
 from .lease import Lease
 from .schedule import Entry, Schedule
-from .triggers import SpecTrigger, first_at_or_after, following, upcoming
+from .triggers import SpecTrigger, first_at_or_after, following, just_after, upcoming
 
 _SCRIPTS = scripts(__file__)
 
@@ -71,7 +71,6 @@ TICK_KEY_MARGIN_MS = 60_000
 MAX_SLEEP_S = 0.25
 #: How many next fire times of an APScheduler trigger are published for ``dramatiq-gp status``.
 UPCOMING = 5
-_TICK = timedelta(microseconds=1)
 
 
 def _ms(instant: datetime) -> int:
@@ -137,8 +136,8 @@ class Runner:
         )
         for entry in self.schedule:
             self._timer.add_job(
-                functools.partial(self._fire_due, entry), trigger=entry.trigger, id=entry.name, name=entry.name,
-                executor=TickExecutor.ALIAS, next_run_time=None,  # paused until this process leads
+                functools.partial(self._fire_due, entry), trigger=entry.trigger, id=entry.name,
+                name=entry.name, executor=TickExecutor.ALIAS, next_run_time=None,  # paused until this process leads
             )  # fmt: skip
             self._publish_upcoming(entry, datetime.now(UTC))
         self._timer.start(paused=True)
@@ -223,11 +222,11 @@ class Runner:
                 # A new entry starts now; recording that keeps the next leader from
                 # treating the time before it as missed.
                 self.broker.client.hsetnx(self.covered_key, entry.name, _ms(now))
-                self._timer.modify_job(entry.name, next_run_time=first_at_or_after(entry.trigger, now + _TICK))
+                self._timer.modify_job(entry.name, next_run_time=first_at_or_after(entry.trigger, just_after(now)))
                 continue
             since = datetime.fromtimestamp(last[entry.name] / 1000, UTC)
             missed, skipped = [], 0
-            tick = first_at_or_after(entry.trigger, max(since + _TICK, now - grace))
+            tick = first_at_or_after(entry.trigger, max(just_after(since), now - grace))
             while tick is not None and tick <= now:
                 missed.append(tick)
                 if len(missed) > self.settings.catchup_max:

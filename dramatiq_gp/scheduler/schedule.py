@@ -31,7 +31,7 @@ from ..events import EventType, event_type
 from ..names import NAME, job_actor, schedule_actor
 from ..settings import QUEUE_NAME
 from .cron import CronError, parse
-from .triggers import SpecTrigger, first_at_or_after
+from .triggers import SpecTrigger, first_at_or_after, just_after
 
 _HH_MM = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 
@@ -75,7 +75,7 @@ class Entry:
 
     def next_after(self, after: datetime) -> datetime | None:
         """The first fire strictly after ``after``; ``None`` when it fires no more."""
-        return first_at_or_after(self.trigger, after + timedelta(microseconds=1))
+        return first_at_or_after(self.trigger, just_after(after))
 
     def in_zone(self, zone: ZoneInfo) -> Entry:
         """This entry evaluated in ``zone``, unless it gave its own (``tz=``) or its trigger has its own."""

@@ -21,7 +21,7 @@ trigger's ``get_next_fire_time(previous_fire_time, now)`` says when it fires nex
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 from apscheduler.triggers.base import BaseTrigger
@@ -44,7 +44,8 @@ class SpecTrigger(BaseTrigger):  # type: ignore[misc]
     def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime) -> datetime:
         # APScheduler's contract: the first fire at or after ``now``, or right after
         # ``previous_fire_time`` when that is earlier (run times it missed).
-        after = now - _TICK if previous_fire_time is None else min(previous_fire_time, now - _TICK)
+        before_now = now.astimezone(UTC) - _TICK
+        after = before_now if previous_fire_time is None else min(previous_fire_time, before_now)
         return self.spec.next_after(after, self.zone)
 
     def __str__(self) -> str:
@@ -52,6 +53,11 @@ class SpecTrigger(BaseTrigger):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"<SpecTrigger {self.spec.text!r} in {self.zone.key}>"
+
+
+def just_after(instant: datetime) -> datetime:
+    """A microsecond later, in UTC: in a local zone that would add wall time, and lose the fold of a repeated hour."""
+    return instant.astimezone(UTC) + _TICK
 
 
 def first_at_or_after(trigger: BaseTrigger, instant: datetime) -> datetime | None:
@@ -65,14 +71,14 @@ def first_at_or_after(trigger: BaseTrigger, instant: datetime) -> datetime | Non
 
 def following(trigger: BaseTrigger, fire: datetime) -> datetime | None:
     """The trigger's fire time right after ``fire``; ``None`` if it fires no more."""
-    after: datetime | None = trigger.get_next_fire_time(fire, fire + _TICK)
+    after: datetime | None = trigger.get_next_fire_time(fire, just_after(fire))
     return after
 
 
 def upcoming(trigger: BaseTrigger, after: datetime, count: int) -> list[datetime]:
     """Up to ``count`` fire times strictly after ``after``."""
     times: list[datetime] = []
-    fire = first_at_or_after(trigger, after + _TICK)
+    fire = first_at_or_after(trigger, just_after(after))
     while fire is not None and len(times) < count:
         times.append(fire)
         fire = following(trigger, fire)
