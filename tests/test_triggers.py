@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
@@ -90,3 +94,38 @@ def test_an_interval_trigger_and_a_date_trigger_fire_through_real_workers_each_t
     ticks.sort()
     assert all(later - earlier == timedelta(seconds=1) for earlier, later in itertools.pairwise(ticks))
     assert all(tick.microsecond == 0 for tick in ticks)  # on the anchor's grid, whichever process led
+
+
+def test_status_and_schedule_next_show_an_apscheduler_triggers_next_fires(tmp_path, make_kit, redis_url, namespace):
+    anchor = datetime(2026, 1, 1, tzinfo=UTC)
+    kit = make_kit(lambda r, s: s.job("warm", IntervalTrigger(minutes=5, start_date=anchor), lambda: None))
+    assert kit.scheduler is not None
+    kit.scheduler.start()
+    try:
+        wait_for(kit.scheduler.lease.is_held)
+        env = {**os.environ, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace}
+        env.pop("DB_URL", None)
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True)  # fmt: skip
+
+        schedulers = json.loads(cli("status", "--json").stdout)["schedulers"]
+        (entry,) = next(s["entries"] for s in schedulers if s["namespace"] == namespace)
+        now = datetime.now(UTC)
+        expected = upcoming(IntervalTrigger(minutes=5, start_date=anchor), now, 3)
+        assert entry["trigger"].startswith("interval[0:05:00]")
+        assert datetime.fromisoformat(entry["next_fire"]) == expected[0]
+        published = cli("schedule", "next", "warm", "-n", "3", "--tz", "UTC")
+        assert [datetime.fromisoformat(line) for line in published.stdout.split()] == expected
+        (tmp_path / "my_triggers.py").write_text(
+            "from datetime import datetime, timezone\nfrom apscheduler.triggers.interval import IntervalTrigger\n"
+            "warm = IntervalTrigger(minutes=5, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc))\n"
+        )
+        imported = cli("schedule", "next", "my_triggers:warm", "-n", "3", "--tz", "UTC")
+        assert [datetime.fromisoformat(line) for line in imported.stdout.split()] == expected, imported.stderr
+        refused = cli("schedule", "next", "my_triggers:datetime")
+        assert refused.returncode != 0 and refused.stderr.strip().count("\n") == 0
+        assert "not an APScheduler trigger" in refused.stderr
+    finally:
+        kit.scheduler.stop()
