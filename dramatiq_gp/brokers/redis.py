@@ -403,12 +403,13 @@ class _Consumer(_RedisConsumer):
         try:
             while not self._ready:
                 self._freed.clear()
-                room = self.prefetch - self.outstanding_message_count
-                if room <= 0:
-                    # Full: fetch again as soon as a worker settles one, not after a backoff,
-                    # so a busy queue's buffer does not run dry.
+                if self._room() < self._refill_at:
+                    # Fetch again once half the buffer is free, woken by the settle that frees
+                    # it: not after a backoff (a busy queue's buffer would run dry), and not at
+                    # every settle (a round trip, and a wake-up, per message).
                     self._freed.wait(self.timeout / 1000)
                     return None
+                room = self._room()
                 maintain = time.monotonic() >= self._maintain_at
                 if maintain:
                     self._maintain_at = time.monotonic() + self._maintain_every_s
@@ -426,6 +427,17 @@ class _Consumer(_RedisConsumer):
             return self._ready.popleft()
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+    @property
+    def _refill_at(self) -> int:
+        return max(1, int(self.prefetch) // 2)
+
+    def _room(self) -> int:
+        return int(self.prefetch - self.outstanding_message_count)
+
+    def _settled(self) -> None:
+        if self._room() >= self._refill_at:
+            self._freed.set()
 
     def _accept(self, batch: list[bytes | None]) -> list[MessageProxy]:
         """The messages of ``batch`` for the worker threads; the others are set aside or held here."""
@@ -470,7 +482,7 @@ class _Consumer(_RedisConsumer):
             self.broker.dead_letter(self.queue_name, message, reason)
         finally:
             self.queued_message_ids.discard(message.message_id)
-            self._freed.set()
+            self._settled()
 
     def ack(self, message: MessageProxy) -> None:
         self._post(message, "ack")
@@ -497,7 +509,7 @@ class _Consumer(_RedisConsumer):
             finally:
                 self.queued_message_ids.discard(message.message_id)
         finally:
-            self._freed.set()
+            self._settled()
 
 
 def _cause(error: DecodeError) -> str:
