@@ -183,7 +183,8 @@ class Relay:
                 for e in exc.errors(include_url=False, include_input=False)
             )
             raise PoisonEvent(f"payload does not match {kind.cls.__qualname__}: {problems}") from None
-        envelope: dict[str, Any] = {"id": str(row.id), "event": row.event, "data": row.payload}
+        event_id = str(row.id)
+        envelope: dict[str, Any] = {"id": event_id, "event": row.event, "data": row.payload}
         return Message(
             queue_name=EVENT_QUEUE,
             actor_name=event_actor(row.event),
@@ -191,7 +192,7 @@ class Relay:
             kwargs={},
             # The dispatching code's context is the message's creation context.
             options={ORIGIN: row.trace_context} if row.trace_context else {},
-            message_id=str(row.id),
+            message_id=event_id,
         )
 
     def backlog(self) -> tuple[int, float]:
