@@ -1,206 +1,286 @@
-"""What the kit costs per message, against bare Dramatiq in the same run.
+"""What the kit costs per message in CPU, against bare Dramatiq at its best, in the same run.
 
-Three variants, each in a fresh worker process (one process, 8 threads, the same
-Redis), run alternately for several rounds; every variant logs at INFO to a file:
+Each variant runs a no-op task in a fresh worker process (8 threads, the same
+Redis) pinned to one core (``os.sched_setaffinity``), with nothing else in that
+process: the driver (this process, pinned to the other cores) fills nothing, times
+nothing in the worker, and watches the queue drain from outside. Variants:
 
-* ``bare``: a no-op plain actor on Dramatiq's ``RedisBroker`` with its default middleware;
-* ``kit``: the same actor through the kit's full middleware stack (task logs included);
-* ``listener``: a no-op listener reached through ``dispatch`` (fan-out ids and
+* ``bare``: a plain actor on Dramatiq's ``RedisBroker`` with its default middleware;
+* ``kit``: the same actor through the kit's full middleware stack, its INFO task
+  log written to a file (as the docs recommend; never a terminal);
+* ``kit_quiet``: ``kit`` with ``LOG_LEVEL=WARN`` (no per-task lines);
+* ``listener``: a no-op listener reached through a fan-out (envelope ids and
   idempotent execution included);
 * ``traced``: ``kit`` with telemetry on: each message's producer and consumer
   spans go through a batch span processor to an exporter that discards them,
   and Sentry is initialised with its DSN at a local endpoint (per-message
-  isolation scopes; nothing fails, so nothing is sent).
+  isolation scopes; nothing fails, so nothing is sent);
+* with ``--peers``: ``celery_threads`` (Celery's threads pool, acks late) and
+  ``arq`` (``max_jobs`` = threads), each on the same Redis, each installed into a
+  throwaway virtualenv of its own (``--peers-venv``) only when asked for. Both
+  log their per-task INFO lines to a file, like ``kit``.
 
-Messages are enqueued before the worker starts; the clock runs from worker start
-until the last message is acked. Reported: the median rate per variant, the
-ratios to bare, the worker process's CPU time per message (the kit can outrun
-bare Dramatiq while spending more CPU: its consumer refetches as soon as a
-worker thread frees a slot, where Dramatiq's waits out a backoff), and each
-variant's resident memory after the run.
+Every variant uses the same prefetch (messages a worker process holds ahead of
+its threads; ``dramatiq_queue_prefetch``). Bare Dramatiq's consumer sleeps through
+a growing backoff whenever its prefetched messages are all outstanding, so a small
+prefetch caps it; the benchmark first sweeps bare over ``--sweep`` (pinned, short
+runs, alternating) and runs everything at the prefetch where bare moved the most
+messages per second, printing the sweep so that raising it further can be seen not
+to help bare. ``--prefetch N`` skips the sweep.
+
+Messages are enqueued before the worker starts. The driver polls the queue's
+outstanding count (Redis, every 5 ms) and reads the worker's CPU time (user + system
+of every thread, ``/proc/<pid>/stat``) when the first 10% have been processed and
+again when 10% are left: start-up and the drain are outside the window. Reported per
+variant, median over the alternating rounds: CPU µs per message (the primary figure,
+lower is better), messages per second, the share of its core the worker used, and
+its resident memory; the CPU ratios are each variant's median over bare's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
+import select
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO
 
-import dramatiq
 import redis
-from dramatiq import Message
-from dramatiq.brokers.redis import RedisBroker
-from dramatiq.common import current_millis
 
-VARIANTS = ("bare", "kit", "listener", "traced")
-QUEUE = "bench"
+from benchmarks.overhead_worker import DRAMATIQ_VARIANTS, PEERS, outstanding_keys
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = DRAMATIQ_VARIANTS
+SWEEP = "16,64,128,256,512"
+#: The measurement window: from this share of the messages processed until this share is left.
+WARMUP = TAIL = 0.1
+POLL_S = 0.005
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
+@dataclass(frozen=True)
+class Run:
+    msgs_per_s: float
+    cpu_us_per_msg: float
+    core_busy: float  # CPU seconds per wall second in the window; 1.0 = the whole core
+    rss_mb: float
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system time of every thread of ``pid``, in seconds (clock ticks: 10 ms resolution)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
 
-def _start_telemetry() -> None:
-    """A tracer provider exporting through a batch processor to nowhere, and a local Sentry endpoint."""
-    from collections.abc import Sequence
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    from threading import Thread
-
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-
-    class Discard(SpanExporter):
-        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-            return SpanExportResult.SUCCESS
-
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(Discard()))
-    trace.set_tracer_provider(provider)
-
-    class Accept(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Accept)
-    Thread(target=server.serve_forever, daemon=True).start()
-    os.environ["SENTRY_DSN"] = f"http://public@127.0.0.1:{server.server_address[1]}/1"
+def _tail(err: IO[bytes]) -> str:
+    err.seek(0)
+    return err.read().decode(errors="replace")[-3000:]
 
 
-def fill(broker: RedisBroker, messages: list[Message[Any]]) -> None:
-    """Put ``messages`` on their queue in pipelined chunks (not timed; bare Dramatiq has no batch API)."""
-    dispatch = broker.scripts["dispatch"]
-    for start in range(0, len(messages), 1000):
-        with broker.client.pipeline(transaction=False) as pipe:
-            for message in messages[start : start + 1000]:
-                redis_id = str(uuid.uuid4())
-                data = message.copy(options={"redis_message_id": redis_id}).encode()
-                args = ["enqueue", current_millis(), message.queue_name, broker.broker_id, broker.heartbeat_timeout,
-                        broker.dead_message_ttl, 0, 1000, redis_id, data]  # fmt: skip
-                dispatch(keys=[broker.namespace], args=args, client=pipe)
-            pipe.execute()
-
-
-def run_variant(variant: str, messages: int, threads: int, redis_url: str) -> dict[str, float]:
-    """Run one variant in this process and measure it; ``bare`` never imports dramatiq_gp."""
-    log_fd, log_path = tempfile.mkstemp(prefix=f"gp-bench-{variant}-", suffix=".log")
-    os.close(log_fd)
-    logging.basicConfig(level=logging.INFO, filename=log_path, force=True)
+def run_one(variant: str, *, messages: int, threads: int, prefetch: int, core: int, redis_url: str, python: str) -> Run:
+    """Run ``variant`` once in a pinned worker process and measure it from here."""
     namespace = f"gpbench-{uuid.uuid4().hex[:8]}"
-    os.environ["REDIS_URL"] = redis_url
-    broker: Any
-    if variant == "bare":
-        broker = RedisBroker(url=redis_url, namespace=namespace)
-    else:
-        if variant == "traced":
-            _start_telemetry()
-        import dramatiq_gp as gp
+    client = redis.Redis.from_url(redis_url)
+    keys = outstanding_keys(variant, namespace)
 
-        kit = gp.Kit(registry=gp.Registry(), broker_options={"namespace": namespace})
-        broker = kit.broker
-        assert kit.telemetry.tracing == kit.telemetry.sentry == (variant == "traced")
+    def outstanding() -> int:
+        with client.pipeline(transaction=False) as pipe:
+            for command, key in keys:
+                getattr(pipe, command)(key)
+            return sum(pipe.execute())
 
-    def noop(n: int) -> None:
-        pass
+    command = [python, "-m", "benchmarks.overhead_worker", "--variant", variant, "--messages", str(messages),
+               "--threads", str(threads), "--prefetch", str(prefetch), "--core", str(core),
+               "--namespace", namespace, "--redis-url", redis_url]  # fmt: skip
+    timeout = 60 + messages / 100
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            readable, _, _ = select.select([proc.stdout], [], [], timeout)
+            if not readable or proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{variant}: the worker did not get ready:\n{_tail(err)}")
+            deadline = time.monotonic() + timeout
+            start_at, stop_at = messages - int(messages * WARMUP), int(messages * TAIL)
+            first: tuple[float, int, float] | None = None
+            while True:
+                left = outstanding()
+                now = time.perf_counter()
+                if first is None and left <= start_at:
+                    first = (now, left, _cpu_seconds(proc.pid))
+                if first is not None and left <= stop_at:
+                    last = (now, left, _cpu_seconds(proc.pid))
+                    rss = _rss_mb(proc.pid)
+                    break
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{variant}: the worker exited ({proc.returncode}):\n{_tail(err)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{variant}: {left} of {messages} messages left after {timeout:.0f} s")
+                time.sleep(POLL_S)
+            while left := outstanding():  # let it finish before stopping it
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{variant}: {left} of {messages} messages left after {timeout:.0f} s")
+                time.sleep(POLL_S)
+        finally:
+            if variant in PEERS:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.stdin.write("stop\n")
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for pattern in (f"{namespace}*", f"_kombu.binding*{namespace}*"):  # kombu's bindings of the queue
+                for key in client.scan_iter(pattern, count=1000):
+                    client.delete(key)
+            deadlines = "_kombu.binding_deadlines"
+            stale = [m for m in client.zrange(deadlines, 0, -1) if namespace.encode() in m]
+            if stale:
+                client.zrem(deadlines, *stale)
+            client.close()
+    done, wall, cpu = first[1] - last[1], last[0] - first[0], last[2] - first[2]
+    return Run(msgs_per_s=done / wall, cpu_us_per_msg=cpu / done * 1e6, core_busy=cpu / wall, rss_mb=rss)
 
-    if variant == "listener":
 
-        @gp.event("benchmarks.overhead.tick")
-        @dataclass(frozen=True)
-        class Tick:
-            n: int
+def _line(label: str, run: Run) -> str:
+    return (
+        f"{label}: {run.cpu_us_per_msg:5.0f} µs CPU/msg, {run.msgs_per_s:6.0f} msg/s, "
+        f"core {run.core_busy:4.2f} busy, {run.rss_mb:5.1f} MB"
+    )
 
-        kit.registry.listen(Tick, lambda event: None, name="noop", queue=QUEUE)
-        batch = [m for n in range(messages) for m in kit.registry.fan_out(Tick(n), str(uuid.uuid4()))]
-    else:
-        actor = dramatiq.actor(noop, broker=broker, queue_name=QUEUE, actor_name="noop")
-        batch = [actor.message(n) for n in range(messages)]
-    fill(broker, batch)
 
-    watcher = redis.Redis.from_url(redis_url)
-    broker.emit_after("process_boot")
-    worker = dramatiq.Worker(broker, worker_threads=threads)
-    started, cpu_started = time.perf_counter(), time.process_time()
-    worker.start()
-    while watcher.hlen(f"{namespace}:{QUEUE}.msgs"):
-        time.sleep(0.005)
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    rss = _rss_mb()
-    worker.stop()
-    for key in watcher.scan_iter(f"{namespace}:*", count=1000):
-        watcher.delete(key)
-    os.unlink(log_path)
-    return {"msgs_per_s": messages / elapsed, "cpu_us_per_msg": cpu / messages * 1e6, "rss_mb": rss}
+def _median(runs: list[Run]) -> Run:
+    return Run(**{field: statistics.median(getattr(r, field) for r in runs) for field in asdict(runs[0])})
+
+
+#: What each peer's throwaway virtualenv gets (one each: arq wants redis<6, the newest Celery's kombu more).
+PEER_PACKAGES = {"celery_threads": ("celery[redis]",), "arq": ("arq",)}
+PEER_MODULES = {"celery_threads": "celery", "arq": "arq"}
+
+
+def peer_python(root: Path, peer: str) -> str:
+    """The Python of ``peer``'s throwaway virtualenv under ``root``, installed on first use."""
+    venv = root / peer
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"peers: creating {venv}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    module = PEER_MODULES[peer]
+    if subprocess.run([str(python), "-c", f"import {module}, redis"], capture_output=True).returncode:
+        print(f"peers: installing {' '.join(PEER_PACKAGES[peer])} into {venv}", flush=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet", *PEER_PACKAGES[peer]]
+        installed = subprocess.run(pip, capture_output=True, text=True)
+        if installed.returncode:
+            sys.exit(f"peers: {' '.join(pip)} failed:\n{installed.stdout}{installed.stderr}")
+    version = subprocess.run(
+        [str(python), "-c", f"import {module}; print({module}.__version__)"], capture_output=True, text=True, check=True
+    )
+    print(f"peers: {module} {version.stdout.strip()}", flush=True)
+    return str(python)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks overhead", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--prefetch", type=int, help="run every variant at this prefetch; skips the sweep")
+    parser.add_argument("--sweep", default=SWEEP, help="bare's prefetch values to try (default %(default)s)")
+    parser.add_argument("--sweep-messages", type=int, default=10_000)
+    parser.add_argument("--sweep-rounds", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
+    parser.add_argument("--peers", action="store_true", help="also run Celery (threads) and arq")
+    parser.add_argument("--peers-venv", type=Path, default=Path(tempfile.gettempdir()) / "dramatiq-gp-bench-peers")
+    parser.add_argument("--core", type=int, help="the core the workers run on (default: the last one available)")
     args = parser.parse_args(argv)
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
 
-    if args.variant:  # a child: run one variant, report on stdout
-        print(json.dumps(run_variant(args.variant, args.messages, args.threads, redis_url)))
-        return 0
+    cores = os.sched_getaffinity(0)
+    core = args.core if args.core is not None else max(cores)
+    if cores - {core}:
+        os.sched_setaffinity(0, cores - {core})  # the driver keeps off the workers' core
+    print(f"workers pinned to core {core}; driver on {sorted(cores - {core}) or [core]}", flush=True)
+    python = {v: sys.executable for v in VARIANTS}
+    if args.peers:
+        python.update({peer: peer_python(args.peers_venv, peer) for peer in PEERS})
+        variants += PEERS
+    common = {"threads": args.threads, "core": core, "redis_url": redis_url}
 
-    results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    summary: dict[str, object] = {}
+    if args.prefetch is None:
+        values = [int(v) for v in args.sweep.split(",")]
+        sweep: dict[int, list[Run]] = {v: [] for v in values}
+        for round_ in range(1, args.sweep_rounds + 1):
+            for value in values:
+                run = run_one("bare", messages=args.sweep_messages, prefetch=value, python=python["bare"], **common)
+                sweep[value].append(run)
+                print(_line(f"sweep {round_} bare prefetch {value:>4}", run), flush=True)
+        medians = {value: _median(runs) for value, runs in sweep.items()}
+        prefetch = max(values, key=lambda value: medians[value].msgs_per_s)
+        print(f"bare's prefetch sweep (median of {args.sweep_rounds}, {args.sweep_messages} messages each):")
+        for value, run in medians.items():
+            print(_line(f"  prefetch {value:>4}{' <- chosen' if value == prefetch else '          '}", run))
+        summary["bare_prefetch_sweep"] = {
+            str(value): {"cpu_us_per_msg": round(run.cpu_us_per_msg), "msgs_per_s": round(run.msgs_per_s)}
+            for value, run in medians.items()
+        }
+    else:
+        prefetch = args.prefetch
+    print(f"every variant at prefetch {prefetch}", flush=True)
+
+    results: dict[str, list[Run]] = {v: [] for v in variants}
     for round_ in range(1, args.rounds + 1):
-        for variant in VARIANTS:
-            out = subprocess.run(
-                [sys.executable, "-m", "benchmarks", "overhead", "--variant", variant,
-                 "--messages", str(args.messages), "--threads", str(args.threads)],
-                check=True, capture_output=True, text=True, env={**os.environ, "REDIS_URL": redis_url},
-            )  # fmt: skip
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            results[variant].append(result)
-            rate, cpu, rss = result["msgs_per_s"], result["cpu_us_per_msg"], result["rss_mb"]
-            print(f"round {round_} {variant:>8}: {rate:8.0f} msg/s, {cpu:5.0f} µs CPU/msg, {rss:6.1f} MB", flush=True)
+        for variant in variants:
+            run = run_one(variant, messages=args.messages, prefetch=prefetch, python=python[variant], **common)
+            results[variant].append(run)
+            print(_line(f"round {round_} {variant:>14}", run), flush=True)
 
-    def median(variant: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[variant])
+    medians = {v: _median(runs) for v, runs in results.items()}
+    for variant, run in medians.items():
+        summary[f"{variant}_cpu_us_per_msg"] = round(run.cpu_us_per_msg)
+        summary[f"{variant}_msgs_per_s"] = round(run.msgs_per_s)
+    ratios = {"kit": "cpu_ratio", "kit_quiet": "quiet_cpu_ratio", "listener": "listener_cpu_ratio",
+              "traced": "traced_cpu_ratio"}  # fmt: skip
+    if "bare" in medians:
+        for variant, key in ratios.items():
+            if variant in medians:
+                summary[key] = round(medians[variant].cpu_us_per_msg / medians["bare"].cpu_us_per_msg, 3)
+    for variant, run in medians.items():
+        summary[f"{variant}_rss_mb"] = round(run.rss_mb, 1)
+    summary.update(bare_prefetch=prefetch, rounds=args.rounds, messages=args.messages, threads=args.threads)
 
-    summary = {
-        "bare_msgs_per_s": round(median("bare", "msgs_per_s")),
-        "kit_msgs_per_s": round(median("kit", "msgs_per_s")),
-        "ratio": round(median("kit", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
-        "listener_msgs_per_s": round(median("listener", "msgs_per_s")),
-        "listener_ratio": round(median("listener", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
-        "kit_traced_msgs_per_s": round(median("traced", "msgs_per_s")),
-        "traced_ratio": round(median("traced", "msgs_per_s") / median("bare", "msgs_per_s"), 3),
-        **{f"{v}_cpu_us_per_msg": round(median(v, "cpu_us_per_msg")) for v in VARIANTS},
-        "bare_rss_mb": round(median("bare", "rss_mb"), 1),
-        "kit_rss_mb": round(median("kit", "rss_mb"), 1),
-        "messages": args.messages,
-        "rounds": args.rounds,
-        "threads": args.threads,
-    }
-    print(
-        f"kit/bare {summary['ratio']:.3f}, listener/bare {summary['listener_ratio']:.3f}, "
-        f"traced/bare {summary['traced_ratio']:.3f}, "
-        f"RSS kit-bare {summary['kit_rss_mb'] - summary['bare_rss_mb']:+.1f} MB"
-    )
+    print("medians:")
+    for variant, run in medians.items():
+        print(_line(f"  {variant:>14}", run))
+    print(", ".join(f"{key} {summary[key]:.3f}" for key in ratios.values() if key in summary) or "no ratios")
     if args.json:
         print(json.dumps(summary))
     return 0

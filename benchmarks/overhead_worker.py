@@ -1,0 +1,241 @@
+"""One worker of the overhead benchmark: ``python -m benchmarks.overhead_worker --variant V ...``.
+
+Started by :mod:`benchmarks.overhead` (the driver), once per variant and round. It
+pins itself to one core, puts ``--messages`` no-op messages on a fresh namespace,
+prints ``ready`` on stdout, and runs a worker until the driver says stop (a line on
+stdin, or stdin closed; the peers stop on SIGTERM). Nothing else runs in this
+process: the driver watches the queue from its own process and reads this one's
+CPU time from ``/proc``.
+
+Only the standard library is imported at the top, so a virtualenv without Dramatiq
+(the peers': Celery and arq) can run this module too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from typing import Any
+
+DRAMATIQ_VARIANTS = ("bare", "kit", "kit_quiet", "listener", "traced")
+PEERS = ("celery_threads", "arq")
+QUEUE = "bench"
+
+
+def outstanding_keys(variant: str, namespace: str) -> list[tuple[str, str]]:
+    """``(command, key)`` pairs whose sum is the messages not yet processed (queued, prefetched or running)."""
+    if variant == "celery_threads":  # acks_late: a message stays in the unacked hash until its task has run
+        return [("llen", f"{namespace}.{QUEUE}"), ("hlen", f"{namespace}:unacked")]
+    if variant == "arq":  # a job leaves the queue's sorted set when it finishes
+        return [("zcard", f"{namespace}:queue")]
+    return [("hlen", f"{namespace}:{QUEUE}.msgs")]  # Dramatiq's (and the kit's) messages hash, acked = deleted
+
+
+def _log_to_file(variant: str) -> str:
+    """INFO to a temporary file (not a terminal), as the docs recommend for the kit's task log."""
+    fd, path = tempfile.mkstemp(prefix=f"gp-bench-{variant}-", suffix=".log")
+    os.close(fd)
+    logging.basicConfig(level=logging.INFO, filename=path, force=True)
+    return path
+
+
+def _ready() -> None:
+    print("ready", flush=True)
+
+
+def _start_telemetry() -> None:
+    """A tracer provider exporting through a batch processor to nowhere, and a local Sentry endpoint."""
+    from collections.abc import Sequence
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Discard(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Discard()))
+    trace.set_tracer_provider(provider)
+
+    class Accept(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Accept)
+    Thread(target=server.serve_forever, daemon=True).start()
+    os.environ["SENTRY_DSN"] = f"http://public@127.0.0.1:{server.server_address[1]}/1"
+
+
+def _fill(broker: Any, messages: list[Any]) -> None:
+    """Put ``messages`` on their queue in pipelined chunks (not timed; bare Dramatiq has no batch API)."""
+    from dramatiq.common import current_millis
+
+    dispatch = broker.scripts["dispatch"]
+    for start in range(0, len(messages), 1000):
+        with broker.client.pipeline(transaction=False) as pipe:
+            for message in messages[start : start + 1000]:
+                redis_id = str(uuid.uuid4())
+                data = message.copy(options={"redis_message_id": redis_id}).encode()
+                args = ["enqueue", current_millis(), message.queue_name, broker.broker_id, broker.heartbeat_timeout,
+                        broker.dead_message_ttl, 0, 1000, redis_id, data]  # fmt: skip
+                dispatch(keys=[broker.namespace], args=args, client=pipe)
+            pipe.execute()
+
+
+def run_dramatiq(variant: str, messages: int, threads: int, prefetch: int, namespace: str, redis_url: str) -> None:
+    """A Dramatiq worker (bare or the kit's) with ``prefetch`` per queue; ``bare`` never imports dramatiq_gp."""
+    os.environ["dramatiq_queue_prefetch"] = str(prefetch)  # noqa: SIM112 (Dramatiq's spelling, read at import)
+    os.environ["REDIS_URL"] = redis_url
+    os.environ["LOG_LEVEL"] = "WARN" if variant == "kit_quiet" else "INFO"
+    if variant != "traced":
+        os.environ.pop("SENTRY_DSN", None)
+    log_path = _log_to_file(variant)
+
+    import dramatiq
+    from dramatiq.brokers.redis import RedisBroker
+
+    broker: Any
+    if variant == "bare":
+        broker = RedisBroker(url=redis_url, namespace=namespace)
+    else:
+        if variant == "traced":
+            _start_telemetry()
+        import dramatiq_gp as gp
+
+        kit = gp.Kit(registry=gp.Registry(), broker_options={"namespace": namespace})
+        broker = kit.broker
+        assert kit.telemetry.tracing == kit.telemetry.sentry == (variant == "traced")
+
+    def noop(n: int) -> None:
+        pass
+
+    if variant == "listener":
+        from dataclasses import dataclass
+
+        @gp.event("benchmarks.overhead.tick")
+        @dataclass(frozen=True)
+        class Tick:
+            n: int
+
+        kit.registry.listen(Tick, lambda event: None, name="noop", queue=QUEUE)
+        batch = [m for n in range(messages) for m in kit.registry.fan_out(Tick(n), str(uuid.uuid4()))]
+    else:
+        actor = dramatiq.actor(noop, broker=broker, queue_name=QUEUE, actor_name="noop")
+        batch = [actor.message(n) for n in range(messages)]
+    _fill(broker, batch)
+
+    broker.emit_after("process_boot")
+    worker = dramatiq.Worker(broker, worker_threads=threads)
+    worker.queue_prefetch = prefetch  # the same for every variant (the env above already says so)
+    _ready()
+    worker.start()
+    sys.stdin.readline()  # the driver's "stop", or EOF if the driver is gone
+    worker.stop()
+    os.unlink(log_path)
+
+
+def run_celery(messages: int, threads: int, prefetch: int, namespace: str, redis_url: str) -> None:
+    """Celery's threads pool, acks late (as Dramatiq acks), ``threads`` times the multiplier = ``prefetch``."""
+    from celery import Celery
+
+    log_path = _log_to_file("celery")
+    queue = f"{namespace}.{QUEUE}"
+    app = Celery("bench", broker=redis_url)
+    app.conf.update(
+        task_acks_late=True,
+        task_ignore_result=True,
+        worker_prefetch_multiplier=max(1, prefetch // threads),
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "unacked_key": f"{namespace}:unacked",
+            "unacked_index_key": f"{namespace}:unacked_index",
+            "unacked_mutex_key": f"{namespace}:unacked_mutex",
+        },
+    )
+
+    @app.task(name="noop")
+    def noop(n: int) -> None:
+        pass
+
+    with app.producer_or_acquire() as producer:
+        for n in range(messages):
+            noop.apply_async((n,), queue=queue, producer=producer)
+    _ready()
+    app.worker_main(["worker", "--pool=threads", f"--concurrency={threads}", "--loglevel=INFO",
+                     f"--logfile={log_path}", "-Q", queue, "--without-gossip", "--without-mingle"])  # fmt: skip
+    os.unlink(log_path)
+
+
+def run_arq(messages: int, threads: int, prefetch: int, namespace: str, redis_url: str) -> None:
+    """arq with ``max_jobs=threads``, reading up to ``prefetch`` job ids per poll, results not kept."""
+    import asyncio
+
+    from arq import Worker, create_pool
+    from arq.connections import RedisSettings
+    from arq.worker import func
+
+    log_path = _log_to_file("arq")
+    queue = f"{namespace}:queue"
+    settings = RedisSettings.from_dsn(redis_url)
+
+    async def noop(ctx: dict[str, Any], n: int) -> None:
+        pass
+
+    async def fill() -> None:
+        pool = await create_pool(settings, default_queue_name=queue)
+        for start in range(0, messages, 200):
+            await asyncio.gather(*(pool.enqueue_job("noop", n) for n in range(start, min(start + 200, messages))))
+        await pool.aclose()
+
+    asyncio.run(fill())
+    _ready()
+    worker = Worker(
+        functions=[func(noop, name="noop")],  # type: ignore[list-item]
+        redis_settings=settings,
+        queue_name=queue,
+        max_jobs=threads,
+        queue_read_limit=prefetch,
+        poll_delay=0.005,
+        keep_result=0,
+        handle_signals=True,
+    )
+    worker.run()
+    os.unlink(log_path)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead_worker", description=__doc__)
+    parser.add_argument("--variant", choices=DRAMATIQ_VARIANTS + PEERS, required=True)
+    parser.add_argument("--messages", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--prefetch", type=int, required=True)
+    parser.add_argument("--core", type=int, required=True)
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--redis-url", required=True)
+    args = parser.parse_args(argv)
+    os.sched_setaffinity(0, {args.core})  # before any thread starts: every thread inherits it
+    if args.variant == "celery_threads":
+        run_celery(args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
+    elif args.variant == "arq":
+        run_arq(args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
+    else:
+        run_dramatiq(args.variant, args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
