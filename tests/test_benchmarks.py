@@ -9,7 +9,7 @@ import pytest
 from benchmarks.__main__ import BENCHMARKS
 
 
-@pytest.mark.parametrize("name", [*BENCHMARKS, "outbox_child", "outbox_common", "soak_tables"])
+@pytest.mark.parametrize("name", [*BENCHMARKS, "outbox_child", "outbox_common", "overhead_worker", "soak_tables"])
 def test_the_benchmark_module_imports(name):
     module = importlib.import_module(f"benchmarks.{name}")
     assert module.__doc__
