@@ -189,8 +189,10 @@ class Kit:
             health_check_interval=30,
             **queue.client_options(),
         )
-        grace_ms = int(self.settings.worker.unknown_task_grace.total_seconds() * 1000)
-        return RedisBroker(client=client, middleware=middleware, unknown_task_grace_ms=grace_ms, **options)
+        worker = self.settings.worker
+        options.setdefault("unknown_task_grace_ms", int(worker.unknown_task_grace.total_seconds() * 1000))
+        options.setdefault("settle_window_ms", worker.settle_window.total_seconds() * 1000)
+        return RedisBroker(client=client, middleware=middleware, **options)
 
 
 def _find(middleware: Sequence[Middleware], kind: type[M]) -> M:

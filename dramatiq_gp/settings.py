@@ -100,6 +100,9 @@ class WorkerSettings(BaseSettings):
     #: How long messages for a task type nobody here handles are held (a newer
     #: worker may know it) before they are skipped.
     unknown_task_grace: Duration = timedelta(minutes=5)
+    #: How long the acks of finished messages are collected to be written in one
+    #: Redis call; a worker killed outright may run that window's messages again. 0: one call per message.
+    settle_window: Duration = timedelta(milliseconds=5)
 
     @model_validator(mode="after")
     def _backoff_order(self) -> WorkerSettings:
@@ -109,6 +112,8 @@ class WorkerSettings(BaseSettings):
             )
         if self.max_backoff < self.min_backoff:
             raise ValueError("WORKER_MAX_BACKOFF must not be shorter than WORKER_MIN_BACKOFF")
+        if self.settle_window > timedelta(seconds=1):
+            raise ValueError("WORKER_SETTLE_WINDOW must be at most 1s (a killed worker may run that window again)")
         if self.max_backoff > timedelta(days=7):
             raise ValueError("WORKER_MAX_BACKOFF must be at most 7d (Dramatiq's longest delay)")
         return self

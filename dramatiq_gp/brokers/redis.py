@@ -11,6 +11,11 @@ tools see the same queues. On top of it:
   and, for a retried or deferred message, its delayed copy
   (:meth:`RedisBroker.redeliver_later`). So "acked" always implies "recorded", and
   a retry or a deferral can never lose the message.
+* The messages the worker threads finish within a few milliseconds are settled
+  together, in one such call, by a thread of their own (:mod:`.settler`), rather
+  than one round trip per message from each worker thread.
+* ``emit_before``/``emit_after`` call only the hooks a middleware overrides, with
+  Dramatiq's rules for what gets out of them.
 * Each consumer runs Dramatiq's queue maintenance (returning the unacknowledged
   messages of dead workers) at least every quarter heartbeat timeout, not only by
   chance, so a ``kill -9``'d worker's messages come back within about a minute.
@@ -34,10 +39,11 @@ The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
 
 1. ``dramatiq.brokers.redis._RedisConsumer``, subclassed here: its constructor,
    ``queued_message_ids``, ``misses``, ``outstanding_message_count``, and
-   ``ack``/``nack``/``requeue`` by ``options["redis_message_id"]``;
+   ``requeue`` by ``options["redis_message_id"]``;
 2. ``RedisBroker._max_unpack_size()``, ``_should_do_maintenance()``,
    ``do_requeue()``, ``scripts["dispatch"]``, ``broker_id``;
-3. the arguments and results of ``dispatch.lua``'s ``enqueue`` and ``fetch``;
+3. the arguments and results of ``dispatch.lua``'s ``fetch``, and what its
+   ``enqueue`` writes (``enqueue.lua`` writes the same);
 4. Dramatiq's Redis key layout (:mod:`dramatiq_gp.keys`), and what ack, nack,
    requeue and maintenance do to it;
 5. ``Worker.work_queue`` (replaced in ``before_worker_boot`` by
@@ -82,6 +88,7 @@ from .. import keys
 from ..durations import format_duration
 from ..errors import BrokerMismatch
 from ..lua import scripts
+from .settler import Settler
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +101,9 @@ _SCRIPTS = scripts(__file__)
 DEAD_LETTER_REASON = "gp_dead_letter_reason"
 
 SETTLEMENT_ATTR = "_gp_settlement"
+
+#: A message to settle: its queue (the consumer's, a delay queue for a delayed message), it, and the command.
+_Settle = tuple[str, MessageProxy, str]
 
 
 @dataclass(slots=True)
@@ -155,16 +165,22 @@ class RedisBroker(DramatiqRedisBroker):
     Parameters:
         unknown_task_grace_ms: how long messages for a task type no actor here
             handles are held before they are skipped (``WORKER_UNKNOWN_TASK_GRACE``).
+        settle_window_ms: how long the acks of finished messages are collected to
+            be written in one call (``WORKER_SETTLE_WINDOW``); 0 writes each at once,
+            from the worker thread, as Dramatiq does (see :mod:`.settler`).
         **options: :class:`dramatiq.brokers.redis.RedisBroker`'s (``url``, ``client``,
             ``namespace``, ``middleware``, ``heartbeat_timeout``, ``dead_message_ttl``,
             Redis connection parameters...).
     """
 
-    def __init__(self, *, unknown_task_grace_ms: int = 300_000, **options: Any) -> None:
+    def __init__(self, *, unknown_task_grace_ms: int = 300_000, settle_window_ms: float = 5, **options: Any) -> None:
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
         self._hooks_for = 0  # how many middleware the cache was built for
         super().__init__(**options)  # type: ignore[no-untyped-call]
         self.unknown_task_grace_ms = unknown_task_grace_ms
+        self.settler: Settler[_Settle] | None = None
+        if settle_window_ms > 0:
+            self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000)
         self._scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
         self._warned_lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
@@ -314,35 +330,82 @@ class RedisBroker(DramatiqRedisBroker):
         plan.redeliver, plan.delay_ms = copy, delay_ms
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`Settlement`."""
-        plan = settlement(message) or Settlement()
-        ns, copy = self.namespace, plan.redeliver
-        touched = [
-            keys.heartbeats(ns),
-            keys.acks(ns, self.broker_id, queue_name),
-            keys.messages(ns, queue_name),
-            keys.queue(ns, queue_name),
-            keys.dead(ns, queue_name),
-            keys.dead_messages(ns, queue_name),
-            plan.key or keys.done_prefix(ns),  # a key the script leaves alone without an outcome
-            keys.delay_queue(ns, queue_name),
-            keys.delay_messages(ns, queue_name),
-        ]
-        args = [command, current_millis(), self.broker_id, message.options["redis_message_id"],
-                plan.outcome, plan.token, plan.retention_ms,
-                copy.options["redis_message_id"] if copy else "", copy.encode() if copy else b""]  # fmt: skip
+        """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`Settlement`, now."""
+        batch = [(queue_name, message, command)]
         try:
-            self._scripts["settle"](keys=touched, args=args)
+            self._write_settles(batch)
         except BaseException as exc:
-            if copy is not None:
-                self.send_failed(copy, exc)
+            self._settle_failed(batch, exc)
             if isinstance(exc, redis.ConnectionError):
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
             raise
-        if copy is not None and command == "requeue":
-            self.send_failed(copy, None)
-        elif copy is not None:
-            self.emit_after("enqueue", copy, plan.delay_ms)
+
+    def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
+        """:meth:`settle`, in the next batch of the settle window (at once without one)."""
+        if self.settler is None:
+            self.settle(queue_name, message, command)
+        else:
+            self.settler.add((queue_name, message, command))
+
+    def flush_settles(self, *, retry: bool = True) -> bool:
+        """Write the settles still waiting for their window; whether they were written.
+
+        Without ``retry``, what Redis did not take is left to the settler thread, which retries it.
+        """
+        return self.settler is None or self.settler.flush(retry=retry)
+
+    def close(self) -> None:
+        if not self.flush_settles(retry=False):
+            logger.warning(
+                "%d settle(s) could not be written as the broker closed; those messages run again "
+                "on another worker after the heartbeat timeout", self.settler.pending if self.settler else 0,
+            )  # fmt: skip
+        super().close()
+
+    def _write_settles(self, batch: Sequence[_Settle]) -> None:
+        """Settle every message of ``batch`` in one Lua call (``settle.lua``), then announce their copies.
+
+        Writing a batch again changes nothing (an id already settled is left
+        alone), so a batch whose reply was lost can be retried.
+        """
+        ns = self.namespace
+        touched = [keys.heartbeats(ns)]
+        first_key: dict[str, int] = {}
+        args: list[Any] = [current_millis(), self.broker_id]
+        for queue_name, message, command in batch:
+            q = first_key.get(queue_name)
+            if q is None:
+                q = first_key[queue_name] = len(touched) + 1
+                touched += [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
+                            keys.queue(ns, queue_name), keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name),
+                            keys.delay_queue(ns, queue_name), keys.delay_messages(ns, queue_name)]  # fmt: skip
+            plan = settlement(message)
+            if plan is None:
+                args += [command[0], q, message.options["redis_message_id"]]
+                continue
+            key_index = 0
+            if plan.key:
+                touched.append(plan.key)
+                key_index = len(touched)
+            copy = plan.redeliver
+            args += [command[0].upper(), q, message.options["redis_message_id"], key_index, plan.outcome, plan.token,
+                     plan.retention_ms, copy.options["redis_message_id"] if copy else "",
+                     copy.encode() if copy else b""]  # fmt: skip
+        self._scripts["settle"](keys=touched, args=args)
+        for _, message, command in batch:
+            plan = settlement(message)
+            if plan is None or plan.redeliver is None:
+                continue
+            if command == "requeue":
+                self.send_failed(plan.redeliver, None)
+            else:
+                self.emit_after("enqueue", plan.redeliver, plan.delay_ms)
+
+    def _settle_failed(self, batch: Sequence[_Settle], error: BaseException) -> None:
+        for _, message, _ in batch:
+            plan = settlement(message)
+            if plan is not None and plan.redeliver is not None:
+                self.send_failed(plan.redeliver, error)
 
     def set_aside_malformed(self, queue_name: str, data: bytes) -> int:
         """Dead-letter a fetched message that cannot be decoded or is malformed (it never reaches a worker thread).
@@ -436,6 +499,8 @@ class _Consumer(_RedisConsumer):
         consumer starts with nothing in memory, so every id in that set is one of
         those: back to the delay queue they go, to be fetched again.
         """
+        # A settle still pending for one of them would find it gone and leave it to run again.
+        self.broker.flush_settles()
         try:
             dropped = self.broker.client.smembers(
                 keys.acks(self.broker.namespace, self.broker.broker_id, self.queue_name)
@@ -550,15 +615,19 @@ class _Consumer(_RedisConsumer):
 
     def _post(self, message: MessageProxy, command: str) -> None:
         try:
-            if settlement(message) is None:
-                super().ack(message) if command == "ack" else super().nack(message)  # type: ignore[no-untyped-call]
-                return
-            try:
-                self.broker.settle(self.queue_name, message, command)
-            finally:
-                self.queued_message_ids.discard(message.message_id)
+            self.broker.settle_soon(self.queue_name, message, command)
         finally:
+            self.queued_message_ids.discard(message.message_id)
             self._settled()
+
+    def close(self) -> None:
+        """Write the pending settles first: a graceful stop leaves nothing to run again.
+
+        Dramatiq also closes a consumer after a connection error, to build another;
+        what Redis did not take then stays with the settler, which retries it.
+        """
+        self.broker.flush_settles(retry=False)
+        super().close()
 
 
 def _cause(error: DecodeError) -> str:

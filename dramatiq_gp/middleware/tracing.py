@@ -56,7 +56,11 @@ class Tracing(Middleware):
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
         self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
-        self._sending = threading.local()
+        # Open send spans by message id. A send may end on another thread than the one
+        # that began it (the broker writes a retry copy with a batch of acks), and one
+        # id may be in flight more than once (its spans then end in either order).
+        self._sending: dict[str, list[trace.Span]] = {}
+        self._sending_lock = threading.Lock()
 
     # -- producer ----------------------------------------------------------------------
 
@@ -80,16 +84,17 @@ class Tracing(Middleware):
         if carrier:
             options[DELIVERY] = carrier
             options.setdefault(ORIGIN, carrier)
-        self._pending()[message.message_id] = span
+        with self._sending_lock:
+            self._sending.setdefault(message.message_id, []).append(span)
 
     def after_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
-        span = self._pending().pop(message.message_id, None)
+        span = self._sent(message)
         if span is not None:
             span.end()
 
     def after_send_failed(self, broker: Broker, message: Message[Any], error: BaseException | None) -> None:
         """End the span of a send that never reached ``after_enqueue``."""
-        span = self._pending().pop(message.message_id, None)
+        span = self._sent(message)
         if span is None:
             return
         if error is not None:
@@ -100,11 +105,15 @@ class Tracing(Middleware):
             span.set_attribute("dramatiq_gp.sent", False)
         span.end()
 
-    def _pending(self) -> dict[str, trace.Span]:
-        pending: dict[str, trace.Span] | None = getattr(self._sending, "spans", None)
-        if pending is None:
-            pending = self._sending.spans = {}
-        return pending
+    def _sent(self, message: Message[Any]) -> trace.Span | None:
+        with self._sending_lock:
+            spans = self._sending.get(message.message_id)
+            if not spans:
+                return None
+            span = spans.pop()
+            if not spans:
+                del self._sending[message.message_id]
+            return span
 
     # -- consumer ----------------------------------------------------------------------
 

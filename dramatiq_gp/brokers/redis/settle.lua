@@ -1,28 +1,56 @@
--- KEYS: heartbeats, acks, msgs, queue, xq, xq msgs, idempotency key, delay queue, delay msgs
--- ARGV: command, now, worker id, redis message id, outcome, token, retention ms, copy id, copy data
-redis.call("zadd", KEYS[1], ARGV[2], ARGV[3])
-local id = ARGV[4]
-if redis.call("srem", KEYS[2], id) > 0 then
-    if ARGV[1] == "ack" then
-        redis.call("hdel", KEYS[3], id)
-    elseif ARGV[1] == "requeue" then
-        redis.call("rpush", KEYS[4], id)
-    else
-        local data = redis.call("hget", KEYS[3], id)
-        if data then
-            redis.call("zadd", KEYS[5], ARGV[2], id)
-            redis.call("hset", KEYS[6], id, data)
-            redis.call("hdel", KEYS[3], id)
+-- Settles a batch of fetched messages (ack, nack or requeue), each with what the
+-- kit records alongside it: the idempotency outcome and a delayed copy.
+--
+-- KEYS: heartbeats, then seven keys per queue in the batch (acks, msgs, queue,
+--       xq, xq msgs, delay queue, delay msgs), then the idempotency keys.
+-- ARGV: now, worker id, then one entry per message:
+--       plain: "a"|"n"|"r", first key of its queue, redis message id
+--       full:  "A"|"N"|"R", first key of its queue, redis message id, key index
+--              of its idempotency key (0: none), outcome, token, retention ms,
+--              copy id ("": none), copy data
+local now = ARGV[1]
+redis.call("zadd", KEYS[1], now, ARGV[2])
+local i = 3
+while i <= #ARGV do
+    local tag = ARGV[i]
+    local command = string.lower(tag)
+    local q = tonumber(ARGV[i + 1])
+    local id = ARGV[i + 2]
+    local acks, msgs, queue, xq, xq_msgs, dq, dq_msgs =
+        KEYS[q], KEYS[q + 1], KEYS[q + 2], KEYS[q + 3], KEYS[q + 4], KEYS[q + 5], KEYS[q + 6]
+    local held = redis.call("srem", acks, id) > 0
+    if held then
+        if command == "a" then
+            redis.call("hdel", msgs, id)
+        elseif command == "r" then
+            redis.call("rpush", queue, id)
+        else
+            local data = redis.call("hget", msgs, id)
+            if data then
+                redis.call("zadd", xq, now, id)
+                redis.call("hset", xq_msgs, id, data)
+                redis.call("hdel", msgs, id)
+            end
         end
     end
-    -- A message put back as it was (requeue) runs again itself: no copy.
-    if ARGV[8] ~= "" and ARGV[1] ~= "requeue" then
-        redis.call("hset", KEYS[9], ARGV[8], ARGV[9])
-        redis.call("rpush", KEYS[8], ARGV[8])
+    if tag == command then
+        i = i + 3
+    else
+        local key_index, outcome, token, retention = tonumber(ARGV[i + 3]), ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
+        local copy_id, copy_data = ARGV[i + 7], ARGV[i + 8]
+        -- A message put back as it was (requeue) runs again itself: no copy.
+        if held and copy_id ~= "" and command ~= "r" then
+            redis.call("hset", dq_msgs, copy_id, copy_data)
+            redis.call("rpush", dq, copy_id)
+        end
+        if key_index > 0 then
+            local key = KEYS[key_index]
+            if outcome == "done" then
+                redis.call("set", key, "done", "PX", retention)
+            elseif outcome == "release" and redis.call("get", key) == token then
+                redis.call("del", key)
+            end
+        end
+        i = i + 9
     end
-end
-if ARGV[5] == "done" then
-    redis.call("set", KEYS[7], "done", "PX", ARGV[7])
-elseif ARGV[5] == "release" and redis.call("get", KEYS[7]) == ARGV[6] then
-    redis.call("del", KEYS[7])
 end

@@ -1,0 +1,141 @@
+"""Coalesced settles: a window's acks go to Redis in one call, a stop writes them, a kill -9 loses none."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import dramatiq
+import pytest
+import redis
+from dramatiq import Message
+from dramatiq.brokers.redis import RedisBroker
+
+from apps.replica import Replica
+from dramatiq_gp.brokers.redis import _SCRIPTS
+from helpers import wait_for
+from servers import OwnRedis
+
+
+def _settle_calls(server: OwnRedis, run: Callable[[], None]) -> int:
+    """How many times ``run()`` made Redis run the kit's settle script (seen through MONITOR)."""
+    sha = hashlib.sha1(_SCRIPTS["settle"].encode()).hexdigest()
+    client = redis.Redis.from_url(server.url)
+    seen: list[str] = []
+    with client.monitor() as monitor:
+        stop = threading.Event()
+
+        def watch() -> None:
+            for command in monitor.listen():
+                if stop.is_set():
+                    return
+                seen.append(command["command"])
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        run()
+        stop.set()
+        client.ping()  # one more command, so the watcher wakes and sees the stop
+        watcher.join(5)
+    client.close()
+    # A set: redis-py repeats a call Redis answered with NOSCRIPT (before the script was loaded) word for word.
+    return len({command for command in seen if command.startswith(f"EVALSHA {sha}")})
+
+
+@pytest.mark.parametrize(("window", "most_calls"), [("300ms", 2), ("0", 20)])
+def test_the_acks_of_one_window_go_to_redis_in_one_call(window, most_calls, tmp_path, make_kit, start_worker):
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    try:
+        kit = make_kit(env={"REDIS_URL": server.url, "WORKER_SETTLE_WINDOW": window})
+        ran: list[int] = []
+
+        @dramatiq.actor(broker=kit.broker, actor_name="quick")
+        def quick(n: int) -> None:
+            ran.append(n)
+
+        for n in range(20):
+            quick.send(n)
+
+        def run_all() -> None:
+            worker = start_worker(kit)
+            wait_for(lambda: len(ran) == 20)
+            worker.stop()
+
+        calls = _settle_calls(server, run_all)
+        assert sorted(ran) == list(range(20))
+        # Each message settled on its own without a window; a handful of calls at most with one.
+        assert (calls == 20 if window == "0" else 1 <= calls <= most_calls), calls
+        assert kit.broker.client.hlen(f"{kit.broker.namespace}:default.msgs") == 0
+    finally:
+        server.stop()
+
+
+def test_a_stop_writes_the_settles_still_waiting_for_their_window(make_kit, start_worker, rdb, namespace):
+    kit = make_kit(env={"WORKER_SETTLE_WINDOW": "1s"})
+    ran = threading.Event()
+
+    @dramatiq.actor(broker=kit.broker, actor_name="quick")
+    def quick() -> None:
+        ran.set()
+
+    quick.send()
+    worker = start_worker(kit)
+    assert ran.wait(10)
+    time.sleep(0.1)  # it is done, its ack waits for the window
+    assert rdb.hlen(f"{namespace}:default.msgs") == 1
+    worker.stop()
+    assert rdb.hlen(f"{namespace}:default.msgs") == 0
+    assert not list(rdb.scan_iter(f"{namespace}:__acks__.*"))
+
+
+def test_a_worker_killed_within_its_window_runs_those_messages_again_and_loses_none(
+    tmp_path, clean_env, redis_url, namespace, rdb
+):
+    env = {"REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace}
+    runs_key = f"{namespace}:test:runs"
+
+    def runs() -> list[dict[str, Any]]:
+        return [json.loads(run) for run in rdb.lrange(runs_key, 0, -1)]
+
+    victim = Replica("tests.apps.settle_app", {**env, "WORKER_SETTLE_WINDOW": "1s"}, tmp_path / "victim.log")
+    survivor = None
+    producer = RedisBroker(url=redis_url, namespace=namespace)
+    try:
+        wait_for(victim.started, timeout=30)
+        for actor, n in (("ok", 0), ("fails", 1)):
+            producer.enqueue(Message(queue_name="default", actor_name=actor, args=(n,), kwargs={}, options={}))
+        wait_for(lambda: len(runs()) == 2, interval=0.01)
+        # Both are done (one failed: its retry goes out with its ack); their settles wait for the window.
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        victim.process.wait(30)
+        victim_pid = runs()[0]["pid"]
+        [acks] = rdb.scan_iter(f"{namespace}:__acks__.*")
+        assert rdb.scard(acks) == 2, "a settle reached Redis before the kill: the window did not hold"
+        assert rdb.hlen(f"{namespace}:default.msgs") == 2
+        assert rdb.llen(f"{namespace}:default.DQ") == 0, "the retry went out without its ack"
+
+        # A survivor that counts a worker dead after 2 s takes both back: each runs again (the
+        # failing one fails once more there, then its retry succeeds), and nothing is left over.
+        survivor = Replica("tests.apps.settle_app", {**env, "GP_TEST_HEARTBEAT_MS": "2000"}, tmp_path / "survivor.log")
+
+        def again() -> Counter[str]:
+            return Counter(run["actor"] for run in runs() if run["pid"] != victim_pid)
+
+        wait_for(lambda: again() == Counter({"ok": 1, "fails": 2}), timeout=60)
+        wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") == 0 and rdb.llen(f"{namespace}:default.DQ") == 0)
+        time.sleep(1)  # give a stray extra run the chance to show
+        assert again() == Counter({"ok": 1, "fails": 2})
+        assert not rdb.exists(acks)
+    finally:
+        producer.close()
+        for replica in (victim, survivor):
+            if replica is not None:
+                replica.kill()
