@@ -20,7 +20,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from pydantic import AfterValidator, BeforeValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .durations import parse_duration
+from .durations import format_duration, parse_duration
 from .errors import ConfigError
 
 #: Dramatiq's own rule for queue names.
@@ -102,7 +102,7 @@ class WorkerSettings(BaseSettings):
     unknown_task_grace: Duration = timedelta(minutes=5)
     #: How long the acks of finished messages are collected to be written in one
     #: Redis call; a worker killed outright may run that window's messages again. 0: one call per message.
-    settle_window: Duration = timedelta(milliseconds=5)
+    settle_window: Duration = Field(default=timedelta(milliseconds=5), ge=timedelta(0), le=timedelta(seconds=1))
 
     @model_validator(mode="after")
     def _backoff_order(self) -> WorkerSettings:
@@ -112,8 +112,6 @@ class WorkerSettings(BaseSettings):
             )
         if self.max_backoff < self.min_backoff:
             raise ValueError("WORKER_MAX_BACKOFF must not be shorter than WORKER_MIN_BACKOFF")
-        if self.settle_window > timedelta(seconds=1):
-            raise ValueError("WORKER_SETTLE_WINDOW must be at most 1s (a killed worker may run that window again)")
         if self.max_backoff > timedelta(days=7):
             raise ValueError("WORKER_MAX_BACKOFF must be at most 7d (Dramatiq's longest delay)")
         return self
@@ -450,6 +448,8 @@ def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:
         value = error.get("input")
         if info is not None and info.annotation is not None and "SecretStr" in str(info.annotation):
             shown = redact_url(str(value)) if "://" in str(value) else "***"
+        elif isinstance(value, timedelta):  # a duration is checked once parsed: show it as it was written
+            shown = format_duration(value)
         else:
             shown = str(value)
         lines.append(f"{env.upper()}={shown!r}: {reason}")

@@ -60,12 +60,24 @@ _SENTRY_EXTRA = "pip install 'dramatiq-gp[sentry]'"
 class TraceIds(logging.Filter):
     """Adds ``trace_id`` and ``span_id`` to a record logged inside an active span."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # The ids of the span a thread logged in last: a task logs two lines or more in one span.
+        self._last = threading.local()
+
     def filter(self, record: logging.LogRecord) -> bool:
-        context = trace.get_current_span().get_span_context()
-        if context.is_valid:
-            record.trace_id = format(context.trace_id, "032x")
-            record.span_id = format(context.span_id, "016x")
+        span = trace.get_current_span()
+        last = getattr(self._last, "ids", None)
+        if last is None or last[0] is not span:
+            context = span.get_span_context()
+            ids = (format(context.trace_id, "032x"), format(context.span_id, "016x")) if context.is_valid else None
+            last = self._last.ids = (span, ids)
+        if last[1] is not None:
+            record.trace_id, record.span_id = last[1]
         return True
+
+
+_MESSAGES = (Message, MessageProxy)
 
 
 class NoPayloads(logging.Filter):
@@ -87,10 +99,13 @@ class NoPayloads(logging.Filter):
             return True
         if record.msg in self.ARGUMENT_LINES:
             record.args = ("[Filtered]",) * len(args)
-        elif any(isinstance(arg, Message | MessageProxy) for arg in args):
-            record.args = tuple(
-                f"{arg.actor_name}/{arg.message_id}" if isinstance(arg, Message | MessageProxy) else arg for arg in args
-            )
+            return True
+        for arg in args:
+            if isinstance(arg, _MESSAGES):
+                record.args = tuple(
+                    f"{arg.actor_name}/{arg.message_id}" if isinstance(arg, _MESSAGES) else arg for arg in args
+                )
+                break
         return True
 
 

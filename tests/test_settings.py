@@ -35,6 +35,7 @@ def test_defaults(env):
     assert settings.worker.max_retries == 25
     assert settings.worker.shutdown_timeout is None
     assert settings.worker.dedup_retention == timedelta(hours=24)
+    assert settings.worker.settle_window == timedelta(milliseconds=5)
     assert settings.queue.display() == "redis://127.0.0.1:6379/0"
     assert settings.log.level == "INFO"
 
@@ -65,6 +66,7 @@ def test_worker_variables(env):
         ("WORKER_STRICT_PRIORITY", "true", "WORKER_STRICT_PRIORITY=true needs WORKER_QUEUES"),
         ("WORKER_SHUTDOWN_TIMEOUT", "soon", "WORKER_SHUTDOWN_TIMEOUT='soon': 'soon' is not a duration"),
         ("WORKER_MAX_RETRIES", "-1", "WORKER_MAX_RETRIES='-1'"),
+        ("WORKER_SETTLE_WINDOW", "2s", "WORKER_SETTLE_WINDOW='2s'"),
         ("WORKER_STRICT_PRIORITY", "maybe", "WORKER_STRICT_PRIORITY='maybe'"),
         ("VALKEY_ADDR", "localhost", "VALKEY_ADDR='localhost' is not host:port"),
         ("VALKEY_DB", "-2", "VALKEY_DB='-2'"),
