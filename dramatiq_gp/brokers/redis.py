@@ -65,6 +65,7 @@ The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -76,7 +77,7 @@ from typing import Any, Protocol
 from uuid import uuid4
 
 import redis
-from dramatiq import Message, Middleware
+from dramatiq import Message, Middleware, get_encoder
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.brokers.redis import RedisBroker as DramatiqRedisBroker
 from dramatiq.brokers.redis import _RedisConsumer
@@ -184,6 +185,12 @@ class RedisBroker(DramatiqRedisBroker):
         self._scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
         self._warned_lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
+        # Redis ids for batches: unique per broker and call, cheaper than a uuid4 each.
+        self._id_prefix = f"{uuid4()}-"
+        self._id_counter = itertools.count()
+
+    def _redis_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_counter)}"
 
     @property
     def consumer_class(self) -> type[_Consumer]:
@@ -265,6 +272,7 @@ class RedisBroker(DramatiqRedisBroker):
         """
         if len(messages) == 1:
             return [self.enqueue(messages[0])]
+        encode = get_encoder().encode
         prepared: list[Message[Any]] = []
         touched: list[str] = []
         where: dict[str, int] = {}
@@ -274,7 +282,7 @@ class RedisBroker(DramatiqRedisBroker):
                 # What Message.copy does, without its per-field introspection (a relay batch is 500 of these).
                 message: Message[Any] = Message(
                     queue_name=original.queue_name, actor_name=original.actor_name, args=original.args,
-                    kwargs=original.kwargs, options={**original.options, "redis_message_id": str(uuid4())},
+                    kwargs=original.kwargs, options={**original.options, "redis_message_id": self._redis_id()},
                     message_id=original.message_id, message_timestamp=original.message_timestamp,
                 )  # fmt: skip
                 self.emit_before("enqueue", message, None)
@@ -283,7 +291,12 @@ class RedisBroker(DramatiqRedisBroker):
                 if queue not in where:
                     where[queue] = len(touched) + 1
                     touched += [keys.queue(self.namespace, queue), keys.messages(self.namespace, queue)]
-                args += [where[queue], message.options["redis_message_id"], message.encode()]
+                # What Message.encode does, without Message.asdict's per-field introspection.
+                args += [where[queue], message.options["redis_message_id"], encode({
+                    "queue_name": message.queue_name, "actor_name": message.actor_name, "args": message.args,
+                    "kwargs": message.kwargs, "options": message.options, "message_id": message.message_id,
+                    "message_timestamp": message.message_timestamp,
+                })]  # fmt: skip
             self._scripts["enqueue"](keys=touched, args=args)
         except BaseException as exc:
             for message in prepared:

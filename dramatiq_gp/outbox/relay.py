@@ -38,6 +38,7 @@ from dramatiq import Message
 from dramatiq.errors import BrokerConnectionError
 from opentelemetry.metrics import Observation
 from pydantic import ValidationError
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from ..brokers.redis import RedisBroker
 from ..errors import GPError
@@ -148,15 +149,22 @@ class Relay:
                     poisoned.append((row, str(exc)))
             if messages:
                 self.broker.enqueue_many(messages)
+                done = self._among(published)
                 if self.settings.retention:
-                    conn.execute(sa.update(OUTBOX_EVENTS).where(T.id.in_(published)).values(published_at=now))
+                    conn.execute(sa.update(OUTBOX_EVENTS).where(done).values(published_at=now))
                 else:
-                    conn.execute(sa.delete(OUTBOX_EVENTS).where(T.id.in_(published)))
+                    conn.execute(sa.delete(OUTBOX_EVENTS).where(done))
             for row, error in poisoned:
                 self._set_back(conn, row, error, now)
         if published:
             self._published.add(len(published))
         return len(rows)
+
+    def _among(self, ids: list[Any]) -> sa.ColumnElement[bool]:
+        """``id`` is one of ``ids``: on PostgreSQL one array parameter, not a placeholder per id to expand and parse."""
+        if self._postgres:
+            return T.id == sa.any_(sa.bindparam("ids", ids, type_=ARRAY(T.id.type)))
+        return T.id.in_(ids)
 
     def purge(self) -> int:
         """Delete up to a batch of published rows past their retention."""
