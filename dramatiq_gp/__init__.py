@@ -21,6 +21,7 @@ from .errors import (
     RegistrationError,
 )
 from .events import event, event_type
+from .exactly_once import AlreadyApplied, inbox
 from .kit import Kit, RegisterFunc, dispatch
 from .middleware import (
     IdempotentExecution,
@@ -44,6 +45,7 @@ from .settings import Settings
 from .telemetry import Telemetry
 
 __all__ = [
+    "AlreadyApplied",
     "BrokerMismatch",
     "BrokerUnreachable",
     "ConfigError",
@@ -80,6 +82,7 @@ __all__ = [
     "event",
     "event_type",
     "fan_out_id",
+    "inbox",
     "job",
     "listener",
     "outbox",

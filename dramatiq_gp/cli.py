@@ -119,7 +119,7 @@ def main() -> None:
 
 @main.group()
 def migrate() -> None:
-    """The outbox table.
+    """The outbox and inbox tables.
 
     \b
     Example:
@@ -129,7 +129,7 @@ def migrate() -> None:
 
 @migrate.command("up")
 def migrate_up() -> None:
-    """Create the outbox table and its indexes where missing (safe to run again).
+    """Create the outbox and inbox tables and their indexes where missing (safe to run again).
 
     \b
     Example:
@@ -140,12 +140,13 @@ def migrate_up() -> None:
     settings = _settings()
     with _database(settings) as engine, engine.begin() as conn:
         outbox.migrate(conn)
+    click.echo(f"inbox table {outbox.INBOX_TABLE_NAME!r} is up to date in {settings.db.display()}")
     click.echo(f"outbox table {outbox.TABLE_NAME!r} is up to date in {settings.db.display()}")
 
 
 @migrate.command("status")
 def migrate_status() -> None:
-    """Whether the outbox table and its indexes exist; exits 1 if something is missing.
+    """Whether the outbox and inbox tables and their indexes exist; exits 1 if something is missing.
 
     \b
     Example:
@@ -153,19 +154,26 @@ def migrate_status() -> None:
     """
     import sqlalchemy as sa
 
-    from .outbox.table import OUTBOX_EVENTS
+    from .outbox.table import INBOX, OUTBOX_EVENTS
 
     settings = _settings()
+    problems = []
     with _database(settings) as engine:
         inspector = sa.inspect(engine)
-        if not inspector.has_table(OUTBOX_EVENTS.name):
-            click.echo(f"outbox table {OUTBOX_EVENTS.name!r} is missing: run `dramatiq-gp migrate up`")
-            sys.exit(1)
-        present = {index["name"] for index in inspector.get_indexes(OUTBOX_EVENTS.name)}
-        missing = sorted(str(index.name) for index in OUTBOX_EVENTS.indexes if index.name not in present)
-    if missing:
-        click.echo(f"outbox table present; missing index(es) {', '.join(missing)}: run `dramatiq-gp migrate up`")
+        for kind, table in (("outbox", OUTBOX_EVENTS), ("inbox", INBOX)):
+            if not inspector.has_table(table.name):
+                problems.append(f"{kind} table {table.name!r} is missing: run `dramatiq-gp migrate up`")
+                continue
+            present = {index["name"] for index in inspector.get_indexes(table.name)}
+            missing = sorted(str(index.name) for index in table.indexes if index.name not in present)
+            if missing:
+                problems.append(
+                    f"{kind} table present; missing index(es) {', '.join(missing)}: run `dramatiq-gp migrate up`"
+                )
+    if problems:
+        click.echo("\n".join(problems))
         sys.exit(1)
+    click.echo(f"inbox table {INBOX.name!r} is up to date in {settings.db.display()}")
     click.echo(f"outbox table {OUTBOX_EVENTS.name!r} is up to date in {settings.db.display()}")
 
 

@@ -11,6 +11,10 @@ A direct dispatch fans out at once. An event coming from the outbox arrives as
 one ``event:<event>`` message (its id is the event id); that actor, declared
 with the first listener of the event, does the fan-out in whichever worker picks
 it up, so a relay needs no listeners and a retried fan-out duplicates nothing.
+
+A listener registered with ``inbox=`` runs in an inbox transaction
+(:mod:`dramatiq_gp.exactly_once`): its handler gets the transaction as a second
+argument, and its message id commits with what the handler writes there.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dramatiq import Actor, Broker, Message
 
 from .errors import RegistrationError, one_line_at_start_up
 from .events import EventType, event_type
+from .exactly_once import AlreadyApplied, done_running, running_listener
 from .names import NAME, event_actor, fan_out_id, listener_actor
 from .settings import QUEUE_NAME
 
@@ -75,10 +80,12 @@ class Listener:
 
     event: EventType
     name: str
-    handler: Callable[[Any], object]
+    handler: Callable[..., object]
     queue: str = "default"
     priority: int = 0
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: An Engine or sessionmaker: the handler runs in an inbox transaction on it.
+    inbox: Any = None
 
     @property
     def actor_name(self) -> str:
@@ -102,11 +109,12 @@ class Registry:
     def listen(
         self,
         event_cls: type[Any],
-        handler: Callable[[Any], object],
+        handler: Callable[..., object],
         *,
         name: str | None = None,
         queue: str = "default",
         priority: int = 0,
+        inbox: Any = None,
         **options: Any,
     ) -> Listener:
         """Run ``handler(event)`` for every ``event_cls`` dispatched.
@@ -115,10 +123,14 @@ class Registry:
             name: the listener's stable name (default: the handler's ``__name__``);
                 it is part of the actor name, so renaming it orphans queued messages.
             queue: the queue its messages go to.
+            inbox: a SQLAlchemy ``Engine`` (the handler gets a ``Connection``) or
+                ``sessionmaker`` (a ``Session``): ``handler(event, conn)`` runs in a
+                transaction that records the message id in the inbox, so what it
+                writes there is applied exactly once (see :func:`dramatiq_gp.inbox`).
             **options: Dramatiq actor options (``max_retries``, ``time_limit``, ...).
 
         Raises:
-            RegistrationError: bad name, queue, handler or option, or a duplicate.
+            RegistrationError: bad name, queue, handler, inbox or option, or a duplicate.
         """
         kind = event_type(event_cls)
         name = name or str(getattr(handler, "__name__", ""))
@@ -127,8 +139,12 @@ class Registry:
             raise RegistrationError(f"{where}: give it a name= made of letters, digits, '_', '.', '-'")
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
             raise RegistrationError(f"{where}: {queue!r} is not a queue name")
-        _check_handler(where, handler)
-        listener = Listener(kind, name, handler, queue, priority, dict(options))
+        if inbox is not None:
+            from .outbox.inbox import check_bind
+
+            check_bind(inbox, where)
+        _check_handler(where, handler, with_inbox=inbox is not None)
+        listener = Listener(kind, name, handler, queue, priority, dict(options), inbox)
         with self._lock:
             taken = self._by_event.setdefault(kind.name, [])
             if any(other.name == name for other in taken):
@@ -195,13 +211,23 @@ class Registry:
                 f"listener {listener.actor_name!r}: unknown option(s) {', '.join(sorted(unknown))}; "
                 f"known: {', '.join(sorted(broker.actor_options))}"
             )
-        decode, handler = listener.event.decode, listener.handler
+        decode, handler, actor_name, bind = listener.event.decode, listener.handler, listener.actor_name, listener.inbox
+        if bind is not None:
+            from .outbox.inbox import transaction
 
         def run(envelope: dict[str, Any]) -> None:
-            token = _envelope.set(envelope)
+            token, running = _envelope.set(envelope), running_listener(actor_name, envelope["id"])
             try:
-                handler(decode(envelope["data"]))
+                event = decode(envelope["data"])
+                if bind is None:
+                    handler(event)
+                else:
+                    with transaction(bind, fan_out_id(envelope["id"], actor_name), actor_name, envelope["id"]) as tx:
+                        handler(event, tx)
+            except AlreadyApplied:
+                pass  # its effect committed already (logged): the message is done
             finally:
+                done_running(running)
                 _envelope.reset(token)
 
         run.__module__ = getattr(handler, "__module__", None) or __name__
@@ -242,15 +268,16 @@ def send_all(broker: Broker, messages: Sequence[Message[Any]]) -> None:
         broker.enqueue(message)
 
 
-def _check_handler(where: str, handler: object) -> None:
+def _check_handler(where: str, handler: object, *, with_inbox: bool = False) -> None:
     if not callable(handler):
         raise RegistrationError(f"{where}: handler {handler!r} is not callable")
     if inspect.iscoroutinefunction(handler):
         raise RegistrationError(f"{where}: async handlers are not supported; use a plain function")
     try:
-        inspect.signature(handler).bind(object())
+        inspect.signature(handler).bind(*([object()] * (2 if with_inbox else 1)))
     except TypeError as exc:
-        raise RegistrationError(f"{where}: the handler must take the event as its one argument ({exc})") from None
+        shape = "two arguments: the event and the inbox transaction" if with_inbox else "the event as its one argument"
+        raise RegistrationError(f"{where}: the handler must take {shape} ({exc})") from None
     except ValueError:  # builtins without a signature
         pass
 

@@ -258,12 +258,54 @@ class OutboxSettings(BaseSettings):
     retention: Duration = timedelta(hours=1)
     #: Attempts before a row that cannot be enqueued is set aside.
     max_attempts: int = Field(default=10, ge=1)
+    #: How long the inbox remembers a message whose effect committed; unset means
+    #: :func:`inbox_retention_floor` rounded up to whole days, plus a day.
+    inbox_retention: Duration | None = None
 
     @model_validator(mode="after")
     def _interval_order(self) -> OutboxSettings:
         if self.poll_interval_max < self.poll_interval_min:
             raise ValueError("OUTBOX_POLL_INTERVAL_MAX must not be shorter than OUTBOX_POLL_INTERVAL_MIN")
         return self
+
+
+def longest_retry_span(worker: WorkerSettings) -> timedelta:
+    """The longest time between a message's first attempt and its last retry under the worker's budget.
+
+    Dramatiq waits ``min_backoff * 2**n``, capped at ``max_backoff``, before retry
+    ``n + 1`` (jitter only shortens it).
+    """
+    low, high = worker.min_backoff.total_seconds(), worker.max_backoff.total_seconds()
+    return timedelta(seconds=sum(min(low * 2 ** min(n, 32), high) for n in range(worker.max_retries)))
+
+
+def inbox_retention_floor(worker: WorkerSettings) -> timedelta:
+    """The shortest inbox retention that still catches every duplicate the kit can make.
+
+    A copy of a message may wait out its whole retry budget while another copy
+    commits the effect, and the Redis side remembers a completed id for
+    ``WORKER_DEDUP_RETENTION``: the inbox must remember at least as long as both.
+    """
+    return max(worker.dedup_retention, longest_retry_span(worker))
+
+
+def resolve_inbox_retention(worker: WorkerSettings, outbox: OutboxSettings) -> OutboxSettings:
+    """``outbox`` with its inbox retention set: unset, the floor rounded up to whole days plus a day.
+
+    Raises:
+        ConfigError: ``OUTBOX_INBOX_RETENTION`` is below :func:`inbox_retention_floor`.
+    """
+    floor = inbox_retention_floor(worker)
+    if outbox.inbox_retention is None:
+        days = -(-floor // timedelta(days=1))
+        return outbox.model_copy(update={"inbox_retention": timedelta(days=days + 1)})
+    if outbox.inbox_retention < floor:
+        raise ConfigError(
+            f"invalid configuration: OUTBOX_INBOX_RETENTION={format_duration(outbox.inbox_retention)!r}: "
+            f"must be at least {format_duration(floor)} (WORKER_DEDUP_RETENTION and the longest retry span of "
+            "WORKER_MAX_RETRIES/_MIN_BACKOFF/_MAX_BACKOFF), or a late copy of a message could apply its effect twice"
+        )
+    return outbox
 
 
 def _zone_name(value: object) -> str:
@@ -427,7 +469,9 @@ class Settings:
         groups = (worker, queue, log, db, outbox, scheduler, otel, sentry)
         if problems or any(group is None for group in groups):
             raise ConfigError("invalid configuration: " + "; ".join(problems))
-        return cls(*groups)  # type: ignore[arg-type]
+        assert worker is not None and outbox is not None
+        outbox = resolve_inbox_retention(worker, outbox)
+        return cls(worker, queue, log, db, outbox, scheduler, otel, sentry)  # type: ignore[arg-type]
 
 
 def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:

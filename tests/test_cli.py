@@ -104,8 +104,11 @@ def test_migrate_status_says_what_is_missing(clean_env, database_url):
     engine = sa.create_engine(database_url)
     with engine.begin() as conn:
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {gp.outbox.TABLE_NAME}"))
+        conn.execute(sa.text(f"DROP TABLE IF EXISTS {gp.outbox.INBOX_TABLE_NAME}"))
     missing = run("migrate", "status")
-    assert missing.exit_code == 1 and "is missing: run `dramatiq-gp migrate up`" in missing.output
+    assert missing.exit_code == 1
+    assert "outbox table 'outbox_events' is missing: run `dramatiq-gp migrate up`" in missing.output
+    assert "inbox table 'inbox_messages' is missing: run `dramatiq-gp migrate up`" in missing.output
     assert run("migrate", "up").exit_code == 0
     assert run("migrate", "status").exit_code == 0
     engine.dispose()

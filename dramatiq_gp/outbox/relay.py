@@ -11,6 +11,10 @@ round, in one database transaction, a relay
    Redis round trip;
 3. marks the rows published (or deletes them when ``OUTBOX_RETENTION=0``) and commits.
 
+Every ``PURGE_INTERVAL_S`` it also deletes a batch of published rows past
+``OUTBOX_RETENTION`` and one of inbox rows past ``OUTBOX_INBOX_RETENTION`` (again
+a second later while a batch comes back full), never all at once.
+
 A crash between 2 and 3 leaves the rows pending: another relay enqueues them
 again under the same ids, and idempotent execution turns the copies into no-ops.
 A row whose event this process cannot read (an unknown event type, a payload that
@@ -47,14 +51,17 @@ from ..metrics import instruments, observe
 from ..middleware.tracing import ORIGIN
 from ..names import event_actor
 from ..registry import EVENT_QUEUE
-from ..settings import OutboxSettings
+from ..settings import OutboxSettings, WorkerSettings, resolve_inbox_retention
 from .admin import backlog
-from .table import CHANNEL, OUTBOX_EVENTS
+from .inbox import PRUNE_BATCH, prune
+from .table import CHANNEL, INBOX_TABLE_NAME, OUTBOX_EVENTS
 
 T = OUTBOX_EVENTS.c
 
 #: How often published rows past their retention are purged, and how many at a time.
 PURGE_INTERVAL_S, PURGE_BATCH = 30.0, 5000
+#: How soon the inbox is pruned again after a full batch: there is more to delete.
+PRUNE_AGAIN_S = 1.0
 #: Longest pause between attempts while the database or Redis is away.
 MAX_OUTAGE_BACKOFF_S = 5.0
 #: How often a waiting relay checks whether it should stop.
@@ -95,6 +102,10 @@ class Relay:
         self._thread: threading.Thread | None = None
         self._listener: psycopg.Connection[Any] | None = None
         self._last_purge = 0.0
+        self._next_prune = 0.0
+        #: How long inbox rows are kept (``OUTBOX_INBOX_RETENTION``, resolved by ``Settings.from_env``).
+        self.inbox_retention = (settings.inbox_retention or
+                                resolve_inbox_retention(WorkerSettings(), settings).inbox_retention)  # fmt: skip
         self._published = instruments().outbox_published
         self._backlog: tuple[float, int, float] = (0.0, 0, 0.0)  # read at, pending, oldest age
         observe(
@@ -178,6 +189,14 @@ class Relay:
             )
             return conn.execute(sa.delete(OUTBOX_EVENTS).where(T.id.in_(expired.scalar_subquery()))).rowcount
 
+    def prune_inbox(self) -> int:
+        """Delete up to a batch of inbox rows past their retention; 0 where there is no inbox table."""
+        with self.engine.connect() as conn:
+            if not sa.inspect(conn).has_table(INBOX_TABLE_NAME):
+                return 0  # an outbox migrated before the inbox existed: `dramatiq-gp migrate up` adds it
+        assert self.inbox_retention is not None
+        return prune(self.engine, self.inbox_retention)
+
     def _message(self, row: Any) -> Message[Any]:
         kind = event_type_named(row.event)
         if kind is None:
@@ -254,6 +273,9 @@ class Relay:
                 if time.monotonic() - self._last_purge > PURGE_INTERVAL_S and self.settings.retention:
                     self._last_purge = time.monotonic()
                     self.purge()
+                if time.monotonic() > self._next_prune:
+                    full = self.prune_inbox() == PRUNE_BATCH
+                    self._next_prune = time.monotonic() + (PRUNE_AGAIN_S if full else PURGE_INTERVAL_S)
             except _OUTAGE as exc:
                 if not failing:
                     self.logger.warning("outbox relay cannot reach the database or Redis, retrying: %s", exc)

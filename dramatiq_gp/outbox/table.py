@@ -1,9 +1,16 @@
-"""The ``outbox_events`` table, and the migration that creates it.
+"""The ``outbox_events`` and ``inbox_messages`` tables, and the migration that creates them.
 
-A row is *pending* while ``published_at`` and ``failed_at`` are both null; the
-relay claims pending rows whose ``available_at`` has come, oldest first, through
-a partial index that holds only pending rows, so the index stays small however
-many published rows wait for their retention to end.
+A row of the outbox is *pending* while ``published_at`` and ``failed_at`` are
+both null; the relay claims pending rows whose ``available_at`` has come, oldest
+first, through a partial index that holds only pending rows, so the index stays
+small however many published rows wait for their retention to end.
+
+A row of the inbox is a message whose effect committed: it is written in the
+same transaction as the effect (:mod:`dramatiq_gp.outbox.inbox`), so a copy of
+the message that arrives later finds it and is skipped. Its primary key is the
+message id alone: the kit's message ids already differ per listener and per job
+(:mod:`dramatiq_gp.names`). Rows are deleted once their retention ends, oldest
+first, through the index on ``processed_at``.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
 TABLE_NAME = "outbox_events"
+INBOX_TABLE_NAME = "inbox_messages"
 #: The channel the relays LISTEN on and dispatch NOTIFYs.
 CHANNEL = "outbox_events"
 
@@ -51,10 +59,31 @@ def outbox_table(metadata: sa.MetaData, *, schema: str | None = None) -> sa.Tabl
     )
 
 
-#: The table the kit itself reads and writes.
-OUTBOX_EVENTS = outbox_table(sa.MetaData())
+def inbox_table(metadata: sa.MetaData, *, schema: str | None = None) -> sa.Table:
+    """Add the inbox table to ``metadata`` (for Alembic autogenerate) and return it."""
+    return sa.Table(
+        INBOX_TABLE_NAME,
+        metadata,
+        # The message id (a listener's copy of an event, a job's firing): the key a redelivery finds.
+        sa.Column("message_id", sa.String(200), primary_key=True),
+        # Its task type, ``listener:<event>:<name>`` or ``job:<name>``: for people reading the table.
+        sa.Column("task_type", sa.String(300), nullable=False),
+        # The event's envelope id, where there is one (the key of an effect applied by hand).
+        sa.Column("envelope_id", sa.String(200)),
+        sa.Column("processed_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+        sa.Index(f"{INBOX_TABLE_NAME}_processed_at", "processed_at"),
+        schema=schema,
+        # Inserted once, deleted once: vacuum early rather than bloat.
+        postgresql_with={"autovacuum_vacuum_scale_factor": 0.02, "autovacuum_analyze_scale_factor": 0.02},
+    )
+
+
+_METADATA = sa.MetaData()
+#: The tables the kit itself reads and writes.
+OUTBOX_EVENTS = outbox_table(_METADATA)
+INBOX = inbox_table(_METADATA)
 
 
 def migrate(bind: sa.Engine | sa.Connection) -> None:
-    """Create the table and its indexes where they are missing; safe to run again."""
-    OUTBOX_EVENTS.metadata.create_all(bind, checkfirst=True)
+    """Create the outbox and inbox tables and their indexes where they are missing; safe to run again."""
+    _METADATA.create_all(bind, checkfirst=True)

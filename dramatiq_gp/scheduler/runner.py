@@ -51,6 +51,7 @@ from opentelemetry.metrics import Observation
 
 from .. import keys
 from ..brokers.redis import RedisBroker
+from ..exactly_once import AlreadyApplied, done_running, running_job
 from ..lua import scripts
 from ..metrics import instruments, observe
 from ..names import tick_message_id
@@ -357,10 +358,17 @@ def _job_fn(entry: Entry) -> Any:
     assert handler is not None
 
     def run(firing: dict[str, Any]) -> None:
-        if takes_time:
-            handler(datetime.fromisoformat(firing["scheduled_at"]))
-        else:
-            handler()
+        # gp.inbox() inside the job keys its transaction by this firing's message id.
+        running = running_job(entry.actor_name, firing["scheduled_at"])
+        try:
+            if takes_time:
+                handler(datetime.fromisoformat(firing["scheduled_at"]))
+            else:
+                handler()
+        except AlreadyApplied:
+            pass  # this firing's effect committed already (logged): the message is done
+        finally:
+            done_running(running)
 
     run.__module__ = getattr(handler, "__module__", None) or __name__
     run.__name__ = run.__qualname__ = entry.name

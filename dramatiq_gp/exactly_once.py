@@ -1,0 +1,117 @@
+"""Exactly-once effects: a handler's database work commits together with its message id (the inbox).
+
+Delivery is at least once. A worker killed after a handler's transaction
+committed, but before its ack reached Redis, leaves the message unacknowledged,
+and another worker runs it again; Redis cannot know the effect happened. The
+inbox can: the message id is inserted in the same transaction as the effect, so
+the two commit or roll back together, and a later copy finds the id and is
+skipped (see :mod:`dramatiq_gp.outbox.inbox` for the transaction itself).
+
+This module is the part the listeners, the jobs and :func:`inbox` share without
+importing SQLAlchemy: which message the calling thread is running, and the skip
+a duplicate raises.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from contextvars import ContextVar
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, overload
+
+from dramatiq.middleware import CurrentMessage, SkipMessage
+
+from .errors import GPError
+from .names import fan_out_id, job_name, tick_message_id
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from sqlalchemy.orm import Session, sessionmaker
+
+
+class AlreadyApplied(GPError, SkipMessage):
+    """The message's id is in the inbox: its effect committed already, so the ``with`` body did not run.
+
+    The kit's listeners and jobs end such a message as done (it is acked and not
+    retried); in a plain Dramatiq actor it is Dramatiq's ``SkipMessage``, which
+    acks it too. Code after the ``with`` block does not run either.
+    """
+
+
+#: The message the current thread runs: (task type, envelope id, scheduled tick), set by listeners and jobs.
+_running: ContextVar[tuple[str, str | None, str | None] | None] = ContextVar("dramatiq_gp_running", default=None)
+
+
+def running_listener(task_type: str, envelope_id: str) -> Any:
+    """Mark the current thread as running ``task_type``'s copy of an envelope; returns the token to reset."""
+    return _running.set((task_type, envelope_id, None))
+
+
+def running_job(task_type: str, scheduled_at: str) -> Any:
+    """Mark the current thread as running a job's firing for the tick ``scheduled_at`` (ISO 8601)."""
+    return _running.set((task_type, None, scheduled_at))
+
+
+def done_running(token: Any) -> None:
+    _running.reset(token)
+
+
+def current_message() -> tuple[str, str, str | None]:
+    """The running message's id, task type and envelope id (``None`` for a job).
+
+    The ids are recomputed from what the message carries, the way they were made
+    (:func:`~dramatiq_gp.fan_out_id`, the tick's id), so nothing is looked up.
+    In a plain Dramatiq actor, Dramatiq's ``CurrentMessage`` middleware gives them.
+
+    Raises:
+        RuntimeError: called outside a listener, a job, or an actor under ``CurrentMessage``.
+    """
+    running = _running.get()
+    if running is not None:
+        task_type, envelope_id, scheduled_at = running
+        if envelope_id is not None:
+            return fan_out_id(envelope_id, task_type), task_type, envelope_id
+        assert scheduled_at is not None
+        entry = job_name(task_type) or task_type
+        return tick_message_id(entry, datetime.fromisoformat(scheduled_at)), task_type, None
+    message = CurrentMessage.get_current_message()
+    if message is not None:
+        return message.message_id, message.actor_name, None
+    raise RuntimeError(
+        "gp.inbox() needs the message it runs for: call it inside a listener or a job, "
+        "or add Dramatiq's CurrentMessage middleware for a plain actor"
+    )
+
+
+@overload
+def inbox(bind: sa.Engine) -> AbstractContextManager[sa.Connection]: ...
+
+
+@overload
+def inbox(bind: sessionmaker[Session]) -> AbstractContextManager[Session]: ...
+
+
+def inbox(bind: Any) -> AbstractContextManager[Any]:
+    """The running message's inbox transaction: ``with gp.inbox(engine) as conn:``.
+
+    Begins a transaction on ``bind`` (an ``Engine`` gives a ``Connection``, a
+    ``sessionmaker`` a ``Session``) and inserts the running message's id into the
+    inbox. If the id is there already, the message's effect committed before: one
+    ``task skipped`` line is logged and :class:`AlreadyApplied` is raised, so the
+    body does not run (the kit's listeners and jobs then end the message as done).
+    Otherwise the body runs in that transaction and the id commits with it; an
+    exception rolls both back, and the retry runs the body again.
+
+    One inbox transaction per message: a second one for the same message is
+    taken for a duplicate.
+
+    Raises:
+        RuntimeError: not inside a listener or a job (see :func:`current_message`).
+        RegistrationError: ``bind`` is not an Engine or sessionmaker on PostgreSQL or SQLite.
+        AlreadyApplied: on entering, for a message whose effect committed already.
+    """
+    from .outbox.inbox import check_bind, transaction
+
+    check_bind(bind, "gp.inbox()")
+    message_id, task_type, envelope_id = current_message()
+    return transaction(bind, message_id, task_type, envelope_id)

@@ -1,0 +1,112 @@
+"""The inbox transaction: a message's id commits with its effect, so a redelivered copy is skipped.
+
+:func:`transaction` begins a transaction, inserts the message id into
+``inbox_messages`` with ``ON CONFLICT DO NOTHING`` and hands the transaction to
+the handler. An id already there means the effect committed before (a worker
+died between its commit and its ack, a relay enqueued an event twice): the
+handler does not run. A handler that raises rolls back its effect and the id
+together, so its retry runs it again.
+
+On PostgreSQL two copies running at once are safe without the Redis claim: the
+second one's insert waits for the first transaction's row lock, and finds the
+id once it commits (or inserts it, if it rolled back). SQLite serialises
+writers anyway. Other databases are refused, at registration.
+
+:func:`prune` deletes rows past their retention in limited batches; the relays
+call it (see :class:`~dramatiq_gp.outbox.Relay`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..errors import RegistrationError
+from ..exactly_once import AlreadyApplied
+from .table import INBOX
+
+logger = logging.getLogger("dramatiq_gp.inbox")
+
+#: How many expired rows one prune deletes at most.
+PRUNE_BATCH = 5000
+
+# RETURNING says whether the row went in (the driver's rowcount for ON CONFLICT is not reliable).
+_INSERTS: dict[str, Any] = {
+    name: dialect.insert(INBOX).on_conflict_do_nothing(index_elements=[INBOX.c.message_id]).returning(sa.literal(1))
+    for name, dialect in (("postgresql", postgresql), ("sqlite", sqlite))
+}
+
+
+def check_bind(bind: object, where: str) -> None:
+    """Refuse anything but an Engine or a sessionmaker on PostgreSQL or SQLite, naming ``where``.
+
+    Raises:
+        RegistrationError: naming ``where`` and what was given.
+    """
+    if isinstance(bind, sa.Engine):
+        dialect = bind.dialect.name
+    elif isinstance(bind, sessionmaker):
+        engine = bind.kw.get("bind")
+        if not isinstance(engine, sa.Engine):
+            raise RegistrationError(f"{where}: inbox= takes a sessionmaker bound to an Engine (sessionmaker(engine))")
+        dialect = engine.dialect.name
+    else:
+        raise RegistrationError(
+            f"{where}: inbox= takes a SQLAlchemy Engine or sessionmaker, not {type(bind).__name__} {bind!r}"
+        )
+    if dialect not in _INSERTS:
+        raise RegistrationError(f"{where}: the inbox needs PostgreSQL (or SQLite), not {dialect}")
+
+
+@contextmanager
+def transaction(
+    bind: sa.Engine | sessionmaker[Session], message_id: str, task_type: str, envelope_id: str | None
+) -> Iterator[Any]:
+    """A transaction on ``bind`` with ``message_id`` recorded in it; commits when the block ends.
+
+    Yields a ``Connection`` for an Engine, a ``Session`` for a sessionmaker.
+
+    Raises:
+        AlreadyApplied: on entering, when ``message_id`` is recorded already (logged once).
+    """
+    row = {"message_id": message_id, "task_type": task_type, "envelope_id": envelope_id}
+    if isinstance(bind, sa.Engine):
+        with bind.begin() as conn:
+            _record(conn, conn.dialect.name, row)
+            yield conn
+    else:
+        with bind() as session, session.begin():
+            _record(session, session.get_bind().dialect.name, row)
+            yield session
+
+
+def _record(target: sa.Connection | Session, dialect: str, row: dict[str, Any]) -> None:
+    if target.execute(_INSERTS[dialect], row).first() is not None:
+        return
+    logger.warning("task skipped: already applied (inbox) task_type=%s task_id=%s", row["task_type"], row["message_id"])
+    raise AlreadyApplied(f"message {row['message_id']} was applied already")
+
+
+def prune(engine: sa.Engine, retention: timedelta, *, batch: int = PRUNE_BATCH) -> int:
+    """Delete up to ``batch`` inbox rows older than ``retention``; returns how many.
+
+    Limited batches, locked with ``SKIP LOCKED``, so several relays prune side by
+    side and no delete holds many locks or one long transaction.
+    """
+    with engine.begin() as conn:
+        postgres = conn.dialect.name == "postgresql"
+        now: Any = sa.func.now() if postgres else datetime.now(UTC).replace(tzinfo=None)
+        expired = (
+            sa.select(INBOX.c.message_id)
+            .where(INBOX.c.processed_at < now - retention)
+            .limit(batch)
+            .with_for_update(skip_locked=True)
+        )
+        return int(conn.execute(sa.delete(INBOX).where(INBOX.c.message_id.in_(expired.scalar_subquery()))).rowcount)
