@@ -221,9 +221,10 @@ def test_the_cli_and_a_kit_reach_postgresql_through_the_db_parts(clean_env, pass
     shown = f"postgresql+psycopg://shop:***@127.0.0.1:{password_postgres.port}/shop"
     migrated = _cli("migrate", "up")
     assert migrated.returncode == 0, migrated.stderr
-    assert migrated.stdout == (
-        f"inbox table 'inbox_messages' is up to date in {shown}\noutbox table 'outbox_events' is up to date in {shown}\n"
-    )
+    assert migrated.stdout.splitlines() == [
+        f"inbox table 'inbox_messages' is up to date in {shown}",
+        f"outbox table 'outbox_events' is up to date in {shown}",
+    ]
 
     kit = make_kit(lambda registry, schedule: registry.listen(Placed, lambda event: None, name="noop"))
     with kit.engine.connect() as conn:
