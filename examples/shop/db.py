@@ -37,5 +37,6 @@ sales = sa.Table(
     sa.Column("recorded_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
 )
 
-# The outbox lives in the shop's own metadata, so one create_all (or Alembic) makes it.
+# The outbox and the inbox live in the shop's own metadata, so one create_all (or Alembic) makes them.
 outbox_events = gp.outbox.outbox_table(metadata)
+inbox_messages = gp.outbox.inbox_table(metadata)

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 
 import dramatiq_gp as gp
 
@@ -30,13 +29,11 @@ def send_confirmation(deps: Dependencies) -> Callable[[OrderPlaced], None]:
     return handle
 
 
-def record_sale(deps: Dependencies) -> Callable[[OrderPlaced], None]:
-    def handle(event: OrderPlaced) -> None:
-        try:
-            with deps.engine.begin() as conn:
-                conn.execute(sales.insert().values(order_id=event.order_id, total_cents=event.total_cents))
-        except IntegrityError:
-            pass  # recorded by an earlier delivery
+def record_sale(deps: Dependencies) -> Callable[[OrderPlaced, sa.Connection], None]:
+    def handle(event: OrderPlaced, conn: sa.Connection) -> None:
+        # In the listener's inbox transaction: the sale and the message id commit together,
+        # so a copy of the message (a worker killed before its ack) finds the id and is skipped.
+        conn.execute(sales.insert().values(order_id=event.order_id, total_cents=event.total_cents))
 
     return handle
 
@@ -60,6 +57,6 @@ def send_digest(deps: Dependencies) -> Callable[[DigestDue], None]:
 
 def register(registry: gp.Registry, deps: Dependencies) -> None:
     registry.listen(OrderPlaced, send_confirmation(deps), name="send_confirmation", queue="mail", max_retries=10)
-    registry.listen(OrderPlaced, record_sale(deps), name="record_sale")
+    registry.listen(OrderPlaced, record_sale(deps), name="record_sale", inbox=deps.engine)
     registry.listen(SyncInventory, sync_inventory(deps), name="sync_inventory")
     registry.listen(DigestDue, send_digest(deps), name="send_digest", queue="mail")

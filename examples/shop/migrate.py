@@ -1,4 +1,4 @@
-"""Create the shop's tables, the outbox included: ``python -m examples.shop.migrate``."""
+"""Create the shop's tables, the outbox and the inbox included: ``python -m examples.shop.migrate``."""
 
 from __future__ import annotations
 
