@@ -286,3 +286,26 @@ def test_the_inbox_retention_defaults_past_the_retry_budget_and_a_shorter_one_is
         gp.ConfigError, match=r"^invalid configuration: OUTBOX_INBOX_RETENTION='12h': must be at least 1d "
     ):
         Settings.from_env()
+
+
+def test_a_job_with_inbox_gets_the_transaction_last_and_applies_each_tick_once(make_kit, start_worker, db):
+    def report(scheduled_at: datetime, conn: sa.Connection) -> None:
+        conn.execute(EFFECTS.insert().values(what=f"report {scheduled_at:%H:%M}"))
+
+    kit = make_kit(
+        lambda registry, schedule: schedule.job("test.inbox.report", "0 3 * * *", report, inbox=db), engine=db
+    )
+    worker = start_worker(kit)
+    assert kit.scheduler is not None
+    [entry] = kit.schedule.entries
+    for tick in [datetime(2026, 12, 1, 3, tzinfo=UTC)] * 2 + [datetime(2026, 12, 2, 3, tzinfo=UTC)]:
+        kit.broker.enqueue(kit.scheduler._message(entry, tick))
+        kit.broker.join("default")
+        worker.join()
+    assert _effects(db) == ["report 03:00", "report 03:00"]  # one per tick: the second copy of the first skipped
+    assert len(_inbox(db)) == 2
+
+    with pytest.raises(gp.ScheduleError, match=r"^schedule entry 'bad': inbox= takes a SQLAlchemy Engine"):
+        gp.Schedule().job("bad", "@daily", report, inbox="postgresql://db/app")
+    with pytest.raises(gp.ScheduleError, match=r"the handler must take the inbox transaction, or two"):
+        gp.Schedule().job("bad", "@daily", lambda: None, inbox=db)

@@ -354,17 +354,22 @@ def _text(value: Any) -> str:
 
 
 def _job_fn(entry: Entry) -> Any:
-    handler, takes_time = entry.handler, entry.takes_time
+    handler, takes_time, bind, actor_name = entry.handler, entry.takes_time, entry.inbox, entry.actor_name
     assert handler is not None
+    if bind is not None:
+        from ..outbox.inbox import transaction
 
     def run(firing: dict[str, Any]) -> None:
         # gp.inbox() inside the job keys its transaction by this firing's message id.
-        running = running_job(entry.actor_name, firing["scheduled_at"])
+        running = running_job(actor_name, firing["scheduled_at"])
         try:
-            if takes_time:
-                handler(datetime.fromisoformat(firing["scheduled_at"]))
+            args: list[Any] = [datetime.fromisoformat(firing["scheduled_at"])] if takes_time else []
+            if bind is None:
+                handler(*args)
             else:
-                handler()
+                message_id = tick_message_id(entry.name, datetime.fromisoformat(firing["scheduled_at"]))
+                with transaction(bind, message_id, actor_name, None) as tx:
+                    handler(*args, tx)
         except AlreadyApplied:
             pass  # this firing's effect committed already (logged): the message is done
         finally:

@@ -61,6 +61,8 @@ class Entry:
     #: Job schedules: the handler, and whether it takes the scheduled time.
     handler: JobHandler | None = None
     takes_time: bool = False
+    #: Job schedules: an Engine or sessionmaker whose inbox transaction the handler runs in (it gets it last).
+    inbox: Any = None
     #: Whether the entry gave its own zone (``tz=``) rather than the schedule's.
     fixed_zone: bool = False
 
@@ -124,16 +126,25 @@ class Schedule:
         return self._add_event(spec, event, name, tz, options)
 
     @overload
-    def job(self, name: str, spec: When, handler: JobHandler, *, tz: str | None = None, **options: Any) -> Schedule: ...
+    def job(
+        self, name: str, spec: When, handler: JobHandler, *, tz: str | None = None, inbox: Any = None, **options: Any
+    ) -> Schedule: ...
 
     @overload
     def job(
-        self, name: str, spec: When, handler: None = None, *, tz: str | None = None, **options: Any
+        self, name: str, spec: When, handler: None = None, *, tz: str | None = None, inbox: Any = None, **options: Any
     ) -> Callable[[JobHandler], JobHandler]: ...
 
     @one_line_at_start_up
     def job(
-        self, name: str, spec: When, handler: JobHandler | None = None, *, tz: str | None = None, **options: Any
+        self,
+        name: str,
+        spec: When,
+        handler: JobHandler | None = None,
+        *,
+        tz: str | None = None,
+        inbox: Any = None,
+        **options: Any,
     ) -> Schedule | Callable[[JobHandler], JobHandler]:
         """Run ``handler`` (task ``job:<name>``) whenever ``spec`` fires; without a handler, a decorator.
 
@@ -142,17 +153,28 @@ class Schedule:
         ``DateTrigger(...)``...). The handler takes no argument, or one: the scheduled
         time (an aware datetime in the entry's zone). What it raises is retried
         (``max_retries=`` to change the budget); options such as ``queue``,
-        ``time_limit`` apply to each firing.
+        ``time_limit`` apply to each firing. With ``inbox=`` (a SQLAlchemy ``Engine``
+        or ``sessionmaker``) the handler also takes, last, the inbox transaction of
+        the firing: what it writes there is applied once per tick (see
+        :func:`dramatiq_gp.inbox`).
         """
         if handler is None:
 
             def decorate(fn: JobHandler) -> JobHandler:
-                self.job(name, spec, fn, tz=tz, **options)
+                self.job(name, spec, fn, tz=tz, inbox=inbox, **options)
                 return fn
 
             return decorate
-        takes_time = _job_shape(name, handler)
-        self._add(Entry(name=name, handler=handler, takes_time=takes_time, **self._common(name, spec, tz, options)))
+        if inbox is not None:
+            from ..outbox.inbox import check_bind
+
+            try:
+                check_bind(inbox, f"schedule entry {name!r}")
+            except GPError as exc:
+                raise ScheduleError(str(exc)) from None
+        takes_time = _job_shape(name, handler, with_inbox=inbox is not None)
+        common = self._common(name, spec, tz, options)
+        self._add(Entry(name=name, handler=handler, takes_time=takes_time, inbox=inbox, **common))
         return self
 
     @property
@@ -255,26 +277,30 @@ def _event_name(event: object) -> str:
         return repr(event)
 
 
-def _job_shape(name: str, handler: object) -> bool:
+def _job_shape(name: str, handler: object, *, with_inbox: bool = False) -> bool:
     where = f"schedule entry {name!r}"
     if not callable(handler):
         raise ScheduleError(f"{where}: handler {handler!r} is not callable")
     if inspect.iscoroutinefunction(handler):
         raise ScheduleError(f"{where}: async handlers are not supported; use a plain function")
     signature = inspect.signature(handler)
+    inbox = [None] if with_inbox else []  # the transaction comes last
     try:
-        signature.bind()
+        signature.bind(*inbox)
         return False
     except TypeError:
         pass
     try:
-        signature.bind(None)
+        signature.bind(None, *inbox)
         return True
     except TypeError:
         shape = f"{getattr(handler, '__name__', 'handler')}{signature}"
-        raise ScheduleError(
-            f"{where}: the handler must take no argument, or one (the scheduled time), not {shape}"
-        ) from None
+        wanted = (
+            "the inbox transaction, or two (the scheduled time, then the transaction)"
+            if with_inbox
+            else "no argument, or one (the scheduled time)"
+        )
+        raise ScheduleError(f"{where}: the handler must take {wanted}, not {shape}") from None
 
 
 #: The schedule module-level ``@dramatiq_gp.job`` functions join; the Kit and
@@ -290,13 +316,14 @@ def job(
     every: str | timedelta | None = None,
     trigger: BaseTrigger | None = None,
     tz: str | None = None,
+    inbox: Any = None,
     **options: Any,
 ) -> Callable[[JobHandler], JobHandler]:
     """Decorator: run the function as the job ``name`` (task ``job:<name>``) on a schedule.
 
     Give one of ``cron`` (a cron spec, ``@daily``, ``@every 90s``...), ``every``
     (``"5m"`` or a ``timedelta``) or ``trigger`` (any APScheduler trigger, such as
-    ``IntervalTrigger(minutes=5, start_date=...)``). Options as for :meth:`Schedule.job`. The entry
+    ``IntervalTrigger(minutes=5, start_date=...)``). Options (``inbox=`` too) as for :meth:`Schedule.job`. The entry
     joins :data:`default_schedule`, which every worker's Kit or
     :class:`~dramatiq_gp.SchedulerLease` fires::
 
@@ -318,7 +345,7 @@ def job(
         spec = cron if cron is not None else trigger
 
     def decorate(handler: JobHandler) -> JobHandler:
-        default_schedule.job(name, spec, handler, tz=tz, **options)
+        default_schedule.job(name, spec, handler, tz=tz, inbox=inbox, **options)
         return handler
 
     return decorate
