@@ -141,3 +141,27 @@ def test_a_worker_killed_within_its_window_runs_those_messages_again_and_loses_n
         for replica in (victim, survivor):
             if replica is not None:
                 replica.kill()
+
+
+def test_a_stop_while_redis_is_away_does_not_wait_for_it(tmp_path, make_kit, start_worker, caplog):
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    try:
+        kit = make_kit(env={"REDIS_URL": server.url, "WORKER_SETTLE_WINDOW": "1s"})
+        ran = threading.Event()
+
+        @dramatiq.actor(broker=kit.broker, actor_name="quick")
+        def quick() -> None:
+            ran.set()
+
+        quick.send()
+        worker = start_worker(kit)
+        assert ran.wait(10)
+        server.stop()  # its ack is still waiting for the window
+        started = time.monotonic()
+        worker.stop(timeout=30_000)
+        kit.broker.close()
+        assert time.monotonic() - started < 10
+        assert "could not be written as the broker closed" in caplog.text
+    finally:
+        server.stop()

@@ -513,7 +513,8 @@ class _Consumer(_RedisConsumer):
         those: back to the delay queue they go, to be fetched again.
         """
         # A settle still pending for one of them would find it gone and leave it to run again.
-        self.broker.flush_settles()
+        if not self.broker.flush_settles(retry=False):
+            raise ConnectionClosed(redis.ConnectionError("settles are waiting for Redis"))  # type: ignore[no-untyped-call]
         try:
             dropped = self.broker.client.smembers(
                 keys.acks(self.broker.namespace, self.broker.broker_id, self.queue_name)

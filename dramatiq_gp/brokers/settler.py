@@ -62,6 +62,7 @@ class Settler(Generic[T]):
         self._writing = threading.Lock()  # one batch at a time, in order
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._failing = False  # the last attempt found Redis away (logged once per outage)
 
     def add(self, entry: T) -> None:
         with self._lock:
@@ -76,33 +77,44 @@ class Settler(Generic[T]):
     def flush(self, *, retry: bool = True) -> bool:
         """Write every pending entry now; whether they were written.
 
-        With ``retry`` it keeps trying until Redis takes them. Without, a batch
-        Redis did not take goes back to wait for the settler thread's next try.
+        With ``retry`` it keeps trying, once a second, until Redis takes them.
+        Without, what Redis did not take goes back to wait for the settler
+        thread's next try. Between tries nothing is held, so a flush without
+        ``retry`` (a consumer closing, the broker closing) never waits on Redis
+        for longer than one attempt.
         """
-        with self._writing:
-            with self._lock:
-                batch, self._pending = self._pending, []
-            while batch:
+        while True:
+            with self._writing:
+                with self._lock:
+                    batch, self._pending = self._pending, []
+                if not batch:
+                    return True
                 try:
                     self._write(batch)
-                    return True
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    if not retry:
-                        with self._lock:
-                            self._pending[:0] = batch
-                        self._wake.set()
-                        return False
-                    logger.warning(
-                        "could not settle %d message(s): %s; retrying every %.0f s until Redis answers",
-                        len(batch), exc, RETRY_S,
-                    )  # fmt: skip
-                    time.sleep(RETRY_S)
+                    with self._lock:
+                        self._pending[:0] = batch
+                    error: Exception | None = exc
                 except Exception as exc:
                     logger.exception("could not settle %d message(s); they run again after the heartbeat timeout",
                                      len(batch))  # fmt: skip
                     self._give_up(batch, exc)
                     return True
-            return True
+                else:
+                    if self._failing:
+                        self._failing = False
+                        logger.warning("settled %d message(s) held back while Redis did not answer", len(batch))
+                    return True
+            if not self._failing:
+                self._failing = True
+                logger.warning(
+                    "could not settle %d message(s): %s; retrying every %.0f s until Redis answers",
+                    len(batch), error, RETRY_S,
+                )  # fmt: skip
+            if not retry:
+                self._wake.set()
+                return False
+            time.sleep(RETRY_S)
 
     @property
     def pending(self) -> int:
