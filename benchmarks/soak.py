@@ -279,6 +279,20 @@ class Soak:
         messages = sum(q["ready"] + q["in_flight"] + q["delayed"] for q in queues)
         return outbox_status(self.engine)["pending"], messages
 
+    def _lingering(self, looks: int = 5) -> tuple[int, int]:
+        """:meth:`_counts`, looked at again while it finds messages: a stuck one stays.
+
+        The scheduler's entries keep firing every second, and a worker acks a finished
+        message up to ``WORKER_SETTLE_WINDOW`` later: one look can catch a tick in flight.
+        """
+        pending, messages = self._counts()
+        for _ in range(looks - 1):
+            if not messages:
+                break
+            time.sleep(0.5)
+            pending, messages = self._counts()
+        return pending, messages
+
     def _settle(self, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -318,7 +332,7 @@ class Soak:
         duplicates = sum(runs - 1 for _, runs in audit_runs) + len(audit_runs) - len(audited)
         missed = {entry: self._ticks_missed(runs) for entry, runs in tick_runs.items()}
         missed.update({entry: -1 for entry in ("soak.tick", "soak.beat") if entry not in tick_runs})
-        pending, messages = self._counts()
+        pending, messages = self._lingering()
         lost_orders = sorted(committed - (mailed & sold & audited))
         diagnosis = self._diagnose(lost_orders[:5]) if lost_orders else []
         import redis
