@@ -22,7 +22,7 @@ from .errors import (
 )
 from .events import event, event_type
 from .exactly_once import AlreadyApplied, inbox
-from .kit import Kit, RegisterFunc, dispatch
+from .kit import Kit, RegisterFunc, dispatch, dispatch_async
 from .middleware import (
     IdempotentExecution,
     Lifecycle,
@@ -79,6 +79,7 @@ __all__ = [
     "current_envelope",
     "default_middleware",
     "dispatch",
+    "dispatch_async",
     "event",
     "event_type",
     "fan_out_id",

@@ -14,7 +14,7 @@ a duplicate raises.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from contextvars import ContextVar
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, overload
@@ -26,6 +26,7 @@ from .names import fan_out_id, job_name, tick_message_id
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
     from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -91,7 +92,15 @@ def inbox(bind: sa.Engine) -> AbstractContextManager[sa.Connection]: ...
 def inbox(bind: sessionmaker[Session]) -> AbstractContextManager[Session]: ...
 
 
-def inbox(bind: Any) -> AbstractContextManager[Any]:
+@overload
+def inbox(bind: AsyncEngine) -> AbstractAsyncContextManager[AsyncConnection]: ...
+
+
+@overload
+def inbox(bind: async_sessionmaker[AsyncSession]) -> AbstractAsyncContextManager[AsyncSession]: ...
+
+
+def inbox(bind: Any) -> AbstractContextManager[Any] | AbstractAsyncContextManager[Any]:
     """The running message's inbox transaction: ``with gp.inbox(engine) as conn:``.
 
     Begins a transaction on ``bind`` (an ``Engine`` gives a ``Connection``, a
@@ -102,6 +111,9 @@ def inbox(bind: Any) -> AbstractContextManager[Any]:
     Otherwise the body runs in that transaction and the id commits with it; an
     exception rolls both back, and the retry runs the body again.
 
+    In an ``async def`` listener or job, give an ``AsyncEngine`` (an ``AsyncConnection``)
+    or ``async_sessionmaker`` (an ``AsyncSession``) and use ``async with gp.inbox(...)``.
+
     One inbox transaction per message: a second one for the same message is
     taken for a duplicate.
 
@@ -110,8 +122,13 @@ def inbox(bind: Any) -> AbstractContextManager[Any]:
         RegistrationError: ``bind`` is not an Engine or sessionmaker on PostgreSQL or SQLite.
         AlreadyApplied: on entering, for a message whose effect committed already.
     """
-    from .outbox.inbox import check_bind, transaction
+    from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
-    check_bind(bind, "gp.inbox()")
+    from .outbox.inbox import check_bind, transaction, transaction_async
+
+    is_async = isinstance(bind, AsyncEngine | async_sessionmaker)
+    check_bind(bind, "gp.inbox()", is_async=is_async)
     message_id, task_type, envelope_id = current_message()
+    if is_async:
+        return transaction_async(bind, message_id, task_type, envelope_id)
     return transaction(bind, message_id, task_type, envelope_id)

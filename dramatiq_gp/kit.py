@@ -30,6 +30,7 @@ from uuid import uuid4
 import dramatiq
 import redis
 from dramatiq import Middleware
+from dramatiq.middleware import AsyncIO
 from opentelemetry import trace
 
 from .brokers.redis import RedisBroker
@@ -43,6 +44,7 @@ from .telemetry import Telemetry
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
     from sqlalchemy.orm import Session
 
     from .outbox import Relay
@@ -68,7 +70,8 @@ class Kit:
         registry: defaults to the one module-level ``@dramatiq_gp.listener`` functions join.
         broker_options: extra keyword arguments for :class:`~dramatiq_gp.RedisBroker`
             (``namespace``, ``heartbeat_timeout``, ``client``...).
-        middleware: extra Dramatiq middleware, added after the kit's own.
+        middleware: extra Dramatiq middleware, added after the kit's own (an ``AsyncIO``
+            of the application's replaces the kit's, so there is one event loop).
         engine: the database holding the outbox; defaults to one built from ``DB_*``.
             With a database, :meth:`dispatch` goes through the outbox and each worker
             process runs a relay (unless ``OUTBOX_RELAY=false``).
@@ -106,6 +109,8 @@ class Kit:
         self.lifecycle = _find(stack, Lifecycle)
         if engine is None and self.engine is not None:
             self.lifecycle.closers.kit.append(("outbox database", self.engine.dispose))
+        if any(isinstance(m, AsyncIO) for m in middleware):  # one event loop: the application's
+            stack = [m for m in stack if not isinstance(m, AsyncIO)]
         self.broker = self._build_broker(options, [*stack, *middleware])
         self.lifecycle.closers.kit.append(("queue client", self.broker.client.connection_pool.disconnect))
         dramatiq.set_broker(self.broker)
@@ -228,6 +233,25 @@ def dispatch(*args: Any, envelope_id: str | None = None) -> str:
     if len(args) == 2:
         return _write_outbox(args[0], args[1], envelope_id)
     return current_kit().dispatch(*args, envelope_id=envelope_id)
+
+
+async def dispatch_async(
+    target: AsyncSession | AsyncConnection, event: object, /, *, envelope_id: str | None = None
+) -> str:
+    """``await gp.dispatch_async(session, event)``: :func:`dispatch` into an async SQLAlchemy transaction.
+
+    Writes the outbox row in the transaction of ``target`` (an ``AsyncSession`` or
+    ``AsyncConnection``, e.g. on ``create_async_engine("postgresql+psycopg://...")``),
+    exactly as the sync form does: nothing is sent unless it commits, and the
+    relays are NOTIFYed at commit. Needs no Kit. Returns the event id.
+
+    Raises:
+        EventError: ``event`` is not an event.
+        EventEncodeError: its payload cannot be encoded; nothing was written.
+    """
+    from .outbox import write_async
+
+    return await write_async(target, event, envelope_id=envelope_id)
 
 
 def _write_outbox(target: Session | sa.Connection, event: object, envelope_id: str | None) -> str:

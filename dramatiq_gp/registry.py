@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from dramatiq import Actor, Broker, Message
 
+from .aio import is_async, require_event_loop
 from .errors import RegistrationError, one_line_at_start_up
 from .events import EventType, event_type
 from .exactly_once import AlreadyApplied, done_running, running_listener
@@ -117,14 +118,18 @@ class Registry:
         inbox: Any = None,
         **options: Any,
     ) -> Listener:
-        """Run ``handler(event)`` for every ``event_cls`` dispatched.
+        """Run ``handler(event)`` for every ``event_cls`` dispatched; an ``async def`` handler is awaited.
+
+        An async handler runs on Dramatiq's event-loop thread (:mod:`dramatiq_gp.aio`):
+        the broker needs Dramatiq's ``AsyncIO`` middleware, which the kit's list has.
 
         Parameters:
             name: the listener's stable name (default: the handler's ``__name__``);
                 it is part of the actor name, so renaming it orphans queued messages.
             queue: the queue its messages go to.
             inbox: a SQLAlchemy ``Engine`` (the handler gets a ``Connection``) or
-                ``sessionmaker`` (a ``Session``): ``handler(event, conn)`` runs in a
+                ``sessionmaker`` (a ``Session``), or for an async handler an ``AsyncEngine``
+                or ``async_sessionmaker``: ``handler(event, conn)`` runs in a
                 transaction that records the message id in the inbox, so what it
                 writes there is applied exactly once (see :func:`dramatiq_gp.inbox`).
             **options: Dramatiq actor options (``max_retries``, ``time_limit``, ...).
@@ -142,7 +147,7 @@ class Registry:
         if inbox is not None:
             from .outbox.inbox import check_bind
 
-            check_bind(inbox, where)
+            check_bind(inbox, where, is_async=is_async(handler))
         _check_handler(where, handler, with_inbox=inbox is not None)
         listener = Listener(kind, name, handler, queue, priority, dict(options), inbox)
         with self._lock:
@@ -213,7 +218,7 @@ class Registry:
             )
         decode, handler, actor_name, bind = listener.event.decode, listener.handler, listener.actor_name, listener.inbox
         if bind is not None:
-            from .outbox.inbox import transaction
+            from .outbox.inbox import transaction, transaction_async
 
         def run(envelope: dict[str, Any]) -> None:
             token, running = _envelope.set(envelope), running_listener(actor_name, envelope["id"])
@@ -230,11 +235,33 @@ class Registry:
                 done_running(running)
                 _envelope.reset(token)
 
-        run.__module__ = getattr(handler, "__module__", None) or __name__
-        run.__name__ = run.__qualname__ = listener.name
+        call: Callable[..., Any] = handler
+
+        async def run_async(envelope: dict[str, Any]) -> None:
+            # Dramatiq runs this on its event-loop thread, in a copy of the worker
+            # thread's context (the middleware's span, scope...): what it sets here
+            # stays in this message's task.
+            _envelope.set(envelope)
+            running_listener(actor_name, envelope["id"])
+            try:
+                event = decode(envelope["data"])
+                if bind is None:
+                    await call(event)
+                else:
+                    message_id = fan_out_id(envelope["id"], actor_name)
+                    async with transaction_async(bind, message_id, actor_name, envelope["id"]) as tx:
+                        await call(event, tx)
+            except AlreadyApplied:
+                pass
+
+        fn: Callable[..., Any] = run_async if is_async(handler) else run
+        if fn is run_async:
+            require_event_loop(broker, f"listener {actor_name!r}")
+        fn.__module__ = getattr(handler, "__module__", None) or __name__
+        fn.__name__ = fn.__qualname__ = listener.name
         idempotent = idempotent_option(broker)
         Actor(
-            run,
+            fn,
             broker=broker,
             actor_name=listener.actor_name,
             queue_name=listener.queue,
@@ -271,8 +298,6 @@ def send_all(broker: Broker, messages: Sequence[Message[Any]]) -> None:
 def _check_handler(where: str, handler: object, *, with_inbox: bool = False) -> None:
     if not callable(handler):
         raise RegistrationError(f"{where}: handler {handler!r} is not callable")
-    if inspect.iscoroutinefunction(handler):
-        raise RegistrationError(f"{where}: async handlers are not supported; use a plain function")
     try:
         inspect.signature(handler).bind(*([object()] * (2 if with_inbox else 1)))
     except TypeError as exc:

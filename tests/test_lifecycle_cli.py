@@ -130,6 +130,49 @@ def test_what_outlives_the_shutdown_timeout_goes_back_to_its_queue(run_dramatiq,
     assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
 
 
+def test_sigterm_drains_a_running_async_listener_too(run_dramatiq, make_kit):
+    worker = run_dramatiq({"GP_TEST_ASYNC": "1"})
+    wait_for(lambda: "start-up: consumers started" in worker.log, timeout=30)
+    _producer(make_kit).dispatch(Slow(1.5))
+    wait_for(lambda: worker.trace == ["listener started"])
+
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    assert worker.trace == ["listener started", "listener finished", "closer second", "closer first"]
+    _in_order(worker.log, "shutdown: draining in-flight tasks", "task done task_type=listener:test.app.slow:slow",
+              "shutdown: in-flight tasks drained", "shutdown: running closers")  # fmt: skip
+
+
+def test_an_async_listener_outliving_the_shutdown_timeout_is_cancelled_put_back_and_runs_again_once(
+    run_dramatiq, make_kit, rdb, namespace
+):
+    worker = run_dramatiq({"GP_TEST_ASYNC": "1", "WORKER_SHUTDOWN_TIMEOUT": "500ms"})
+    wait_for(lambda: "start-up: consumers started" in worker.log, timeout=30)
+    _producer(make_kit).dispatch(Slow(30))
+    wait_for(lambda: worker.trace == ["listener started"])
+
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    # Cancelled after it was put back, and its clean-up ran before the closers.
+    assert worker.trace == ["listener started", "listener cancelled", "closer second", "closer first"]
+    _in_order(
+        worker.log,
+        "1 task(s) still running at the drain timeout went back to their queues",
+        "shutdown: cancelled 1 coroutine(s) still running at the drain timeout",
+        "shutdown: running closers",
+    )
+    assert rdb.llen(f"{namespace}:default") == 1
+    assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
+
+    again = run_dramatiq({"GP_TEST_ASYNC": "1"})
+    wait_for(lambda: worker.trace.count("listener finished") == 1, timeout=30)
+    wait_for(lambda: rdb.llen(f"{namespace}:default") == 0)
+    again.process.send_signal(signal.SIGTERM)
+    assert again.wait() == 0
+    assert worker.trace.count("listener started") == 2  # the first attempt and the copy put back: once each
+    assert "task done task_type=listener:test.app.slow:slow" in again.log
+
+
 def test_redis_down_at_start_up_exits_non_zero_with_one_line_naming_the_address(run_dramatiq):
     worker = run_dramatiq({"REDIS_URL": "redis://127.0.0.1:1/0"}, processes=2)
     code = worker.wait(60)

@@ -198,7 +198,7 @@ def test_default_middleware_is_the_kits_list_in_the_kits_order(clean_env, make_k
     names = [type(m).__name__ for m in gp.default_middleware(kit.settings)]
     assert names == [type(m).__name__ for m in kit.broker.middleware]
     assert names == [
-        "SchedulerLease", "Lifecycle", "IdempotentExecution", "Listeners", "TaskLog", "PanicRecovery",
+        "SchedulerLease", "AsyncIO", "Lifecycle", "IdempotentExecution", "Listeners", "TaskLog", "PanicRecovery",
         "AgeLimit", "TimeLimit", "ShutdownNotifications", "Callbacks", "Pipelines", "Retries",
     ]  # fmt: skip
 
@@ -212,13 +212,15 @@ def test_a_module_level_job_fires_in_a_real_worker_built_either_way(tmp_path, re
         command = [sys.executable, "-m", "dramatiq", "tests.apps.module_job_app", "-p", "1", "-t", "2"]
         with open(log, "w") as out:
             worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        ticks = f"{prefix}:test:ticks"
+        ticks, async_ticks = f"{prefix}:test:ticks", f"{prefix}:test:async_ticks"
         try:
             wait_for(lambda: int(rdb.get(ticks) or 0) >= 2, timeout=30)  # noqa: B023 (used at once)
+            wait_for(lambda: int(rdb.get(async_ticks) or 0) >= 2, timeout=30)  # noqa: B023
         finally:
             worker.terminate()
             worker.wait(30)
         assert worker.returncode == 0, log.read_text()
         assert "job:test.module.tick" in log.read_text()
+        assert "job:test.module.async_tick" in log.read_text()
         for key in rdb.scan_iter(f"{prefix}:*"):
             rdb.delete(key)

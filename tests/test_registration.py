@@ -94,12 +94,17 @@ def test_bad_registrations_are_refused_with_the_listener_named(make_kit, kwargs,
     assert "test.reg.rich" in str(raised.value)
 
 
-def test_async_handlers_are_refused():
+def test_async_handlers_are_accepted_and_their_shape_checked_like_plain_ones():
     async def handler(event: Rich) -> None:
         pass
 
-    with pytest.raises(gp.RegistrationError, match="async handlers"):
-        gp.Registry().listen(Rich, handler)
+    async def two(event: Rich, other: int) -> None:
+        pass
+
+    registry = gp.Registry()
+    assert registry.listen(Rich, handler).handler is handler
+    with pytest.raises(gp.RegistrationError, match="the handler must take the event as its one argument"):
+        registry.listen(Rich, two)
 
 
 def test_the_same_listener_name_twice_is_refused():

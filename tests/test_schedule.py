@@ -69,7 +69,7 @@ def _bad_handler(a: int, b: int) -> None:
     pass
 
 
-async def _async_handler() -> None:
+async def _async_handler(a: int, b: int) -> None:
     pass
 
 
@@ -81,7 +81,7 @@ async def _async_handler() -> None:
         (lambda s: s.every(timedelta(minutes=1), SyncInventory()).every(timedelta(hours=1), SyncInventory()),
          "'test.schedule.sync_inventory' is defined twice"),
         (lambda s: s.job("x", "@hourly", _bad_handler), "'x': the handler must take no argument, or one"),
-        (lambda s: s.job("x", "@hourly", _async_handler), "schedule entry 'x': async handlers are not supported"),
+        (lambda s: s.job("x", "@hourly", _async_handler), "'x': the handler must take no argument, or one"),
         (lambda s: s.job("x", "@hourly", "report"), "schedule entry 'x': handler 'report' is not callable"),
         (lambda s: s.job("has space", "@hourly", report), "schedule entry 'has space': a name is"),
         (lambda s: s.daily_at("6:75", DigestDue()), "daily_at('6:75') is not HH:MM"),

@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from dramatiq import Middleware
-from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
+from dramatiq.middleware import AgeLimit, AsyncIO, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
 
 from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
@@ -72,7 +72,9 @@ def default_middleware(
     then the lifecycle, which sees every message first and last; tracing and
     Sentry, so every message, a skipped duplicate too, gets a span and a scope, and
     a retry is sent from inside its span; the task log, metrics and Sentry read
-    ``Retries``' verdict, which comes last. Dramatiq's own ``AgeLimit``,
+    ``Retries``' verdict, which comes last. Dramatiq's ``AsyncIO`` (the event-loop
+    thread ``async def`` listeners and jobs run on) comes just before the
+    lifecycle, so its loop stops only after the drain. Dramatiq's own ``AgeLimit``,
     ``TimeLimit``, ``ShutdownNotifications``, ``Callbacks`` and ``Pipelines`` are
     in it; its ``Retries`` is replaced by the kit's.
 
@@ -117,6 +119,10 @@ def default_middleware(
             producers.append(OutboxRelay(engine, settings=settings.outbox))
     return [
         *producers,
+        # Before the lifecycle, so the loop stops after the drain has put back and cancelled
+        # what did not finish (after-hooks run in reverse). Always here: an async listener or
+        # job may be registered after the broker is built, and an idle loop costs one thread.
+        AsyncIO(),
         lifecycle,
         *([Tracing(telemetry.tracer_provider)] if telemetry.tracing else []),
         *_sentry(settings, telemetry, schedule),

@@ -10,8 +10,10 @@ start from their own ``after_worker_boot``.
 
 Shutdown on SIGTERM/SIGINT: the producers stop first, in their own
 ``before_worker_shutdown`` (they come before this middleware in the list);
-Dramatiq drains in-flight tasks for up to ``WORKER_SHUTDOWN_TIMEOUT``;
-``after_worker_shutdown`` puts back what did not finish, runs the closers LIFO
+Dramatiq drains in-flight tasks (``async def`` ones too: their worker threads
+wait for them) for up to ``WORKER_SHUTDOWN_TIMEOUT``; ``after_worker_shutdown``
+puts back what did not finish, cancels the coroutines among it (Dramatiq's
+``AsyncIO`` middleware, listed before this one, stops its loop after), runs the closers LIFO
 (the kit's own first, then the application's) and flushes telemetry. Each step
 is logged once at INFO.
 """
@@ -29,6 +31,7 @@ from dramatiq import Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.cli import RET_CONNECT
 
+from ..aio import cancel_coroutines
 from ..brokers.redis import RedisBroker
 from ..durations import format_duration
 from ..telemetry import Telemetry
@@ -153,6 +156,11 @@ class Lifecycle(Middleware):
 
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         self._return_unfinished(broker)
+        # Their messages are back on the queue: end the coroutines among them, so their clean-up
+        # runs before the closers (a loop stopped under them would drop them mid-await).
+        cancelled = cancel_coroutines()
+        if cancelled:
+            self.logger.warning("shutdown: cancelled %d coroutine(s) still running at the drain timeout", cancelled)
         self.logger.info("shutdown: running closers")
         self.closers.run(self.logger)
         if self.telemetry is not None:

@@ -15,7 +15,7 @@ from .admin import FailedEvent, failed_events, retry_failed
 from .inbox import prune as prune_inbox
 from .relay import Relay
 from .table import CHANNEL, INBOX, INBOX_TABLE_NAME, OUTBOX_EVENTS, TABLE_NAME, inbox_table, migrate, outbox_table
-from .write import set_notify, write
+from .write import set_notify, write, write_async
 
 __all__ = [
     "CHANNEL",
@@ -33,4 +33,5 @@ __all__ = [
     "retry_failed",
     "set_notify",
     "write",
+    "write_async",
 ]

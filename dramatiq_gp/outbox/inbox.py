@@ -19,13 +19,14 @@ call it (see :class:`~dramatiq_gp.outbox.Relay`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import RegistrationError
@@ -44,23 +45,32 @@ _INSERTS: dict[str, Any] = {
 }
 
 
-def check_bind(bind: object, where: str) -> None:
+def check_bind(bind: object, where: str, *, is_async: bool = False) -> None:
     """Refuse anything but an Engine or a sessionmaker on PostgreSQL or SQLite, naming ``where``.
+
+    An async handler (``is_async``) takes an ``AsyncEngine`` or ``async_sessionmaker``
+    instead, and a plain one refuses those: each must run its transaction the way it
+    runs itself.
 
     Raises:
         RegistrationError: naming ``where`` and what was given.
     """
-    if isinstance(bind, sa.Engine):
-        dialect = bind.dialect.name
-    elif isinstance(bind, sessionmaker):
+    engine: object = None
+    if isinstance(bind, sa.Engine | AsyncEngine):
+        engine = bind
+    elif isinstance(bind, sessionmaker | async_sessionmaker):
         engine = bind.kw.get("bind")
-        if not isinstance(engine, sa.Engine):
-            raise RegistrationError(f"{where}: inbox= takes a sessionmaker bound to an Engine (sessionmaker(engine))")
-        dialect = engine.dialect.name
     else:
-        raise RegistrationError(
-            f"{where}: inbox= takes a SQLAlchemy Engine or sessionmaker, not {type(bind).__name__} {bind!r}"
-        )
+        kinds = "AsyncEngine or async_sessionmaker" if is_async else "Engine or sessionmaker"
+        raise RegistrationError(f"{where}: inbox= takes a SQLAlchemy {kinds}, not {type(bind).__name__} {bind!r}")
+    given_async = isinstance(bind, AsyncEngine | async_sessionmaker)
+    if not isinstance(engine, sa.Engine | AsyncEngine):
+        raise RegistrationError(f"{where}: inbox= takes a sessionmaker bound to an Engine (sessionmaker(engine))")
+    if given_async != is_async:
+        wanted = "an AsyncEngine or async_sessionmaker" if is_async else "an Engine or sessionmaker"
+        kind = "an async" if is_async else "a plain"
+        raise RegistrationError(f"{where}: {kind} handler's inbox= takes {wanted}, not {type(bind).__name__}")
+    dialect = engine.dialect.name
     if dialect not in _INSERTS:
         raise RegistrationError(f"{where}: the inbox needs PostgreSQL (or SQLite), not {dialect}")
 
@@ -84,6 +94,27 @@ def transaction(
     else:
         with bind() as session, session.begin():
             _record(session, session.get_bind().dialect.name, row)
+            yield session
+
+
+@asynccontextmanager
+async def transaction_async(
+    bind: AsyncEngine | async_sessionmaker[AsyncSession], message_id: str, task_type: str, envelope_id: str | None
+) -> AsyncIterator[Any]:
+    """:func:`transaction` for async handlers: an ``AsyncConnection`` for an AsyncEngine, an
+    ``AsyncSession`` for an async_sessionmaker; the same insert, run through ``run_sync``.
+
+    Raises:
+        AlreadyApplied: on entering, when ``message_id`` is recorded already (logged once).
+    """
+    row = {"message_id": message_id, "task_type": task_type, "envelope_id": envelope_id}
+    if isinstance(bind, AsyncEngine):
+        async with bind.begin() as conn:
+            await conn.run_sync(lambda sync: _record(sync, sync.dialect.name, row))
+            yield conn
+    else:
+        async with bind() as session, session.begin():
+            await session.run_sync(lambda sync: _record(sync, sync.get_bind().dialect.name, row))
             yield session
 
 

@@ -39,6 +39,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -50,6 +51,7 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
 
 from .. import keys
+from ..aio import is_async, require_event_loop
 from ..brokers.redis import RedisBroker
 from ..exactly_once import AlreadyApplied, done_running, running_job
 from ..lua import scripts
@@ -169,6 +171,8 @@ class Runner:
             if entry.actor_name in broker.actors:
                 continue
             if entry.handler is not None:
+                if is_async(entry.handler):
+                    require_event_loop(broker, f"schedule entry {entry.name!r}")
                 Actor(
                     _job_fn(entry),
                     broker=broker,
@@ -357,7 +361,7 @@ def _job_fn(entry: Entry) -> Any:
     handler, takes_time, bind, actor_name = entry.handler, entry.takes_time, entry.inbox, entry.actor_name
     assert handler is not None
     if bind is not None:
-        from ..outbox.inbox import transaction
+        from ..outbox.inbox import transaction, transaction_async
 
     def run(firing: dict[str, Any]) -> None:
         # gp.inbox() inside the job keys its transaction by this firing's message id.
@@ -375,6 +379,23 @@ def _job_fn(entry: Entry) -> Any:
         finally:
             done_running(running)
 
-    run.__module__ = getattr(handler, "__module__", None) or __name__
-    run.__name__ = run.__qualname__ = entry.name
-    return run
+    call: Callable[..., Any] = handler
+
+    async def run_async(firing: dict[str, Any]) -> None:
+        # On Dramatiq's event-loop thread, in a copy of the worker thread's context (see dramatiq_gp.aio).
+        running_job(actor_name, firing["scheduled_at"])
+        try:
+            args: list[Any] = [datetime.fromisoformat(firing["scheduled_at"])] if takes_time else []
+            if bind is None:
+                await call(*args)
+            else:
+                message_id = tick_message_id(entry.name, datetime.fromisoformat(firing["scheduled_at"]))
+                async with transaction_async(bind, message_id, actor_name, None) as tx:
+                    await call(*args, tx)
+        except AlreadyApplied:
+            pass
+
+    fn: Any = run_async if is_async(handler) else run
+    fn.__module__ = getattr(handler, "__module__", None) or __name__
+    fn.__name__ = fn.__qualname__ = entry.name
+    return fn

@@ -25,6 +25,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from apscheduler.triggers.base import BaseTrigger
 
+from ..aio import is_async
 from ..durations import format_duration, parse_duration
 from ..errors import EventEncodeError, EventError, GPError, one_line_at_start_up
 from ..events import EventType, event_type
@@ -169,7 +170,7 @@ class Schedule:
             from ..outbox.inbox import check_bind
 
             try:
-                check_bind(inbox, f"schedule entry {name!r}")
+                check_bind(inbox, f"schedule entry {name!r}", is_async=is_async(handler))
             except GPError as exc:
                 raise ScheduleError(str(exc)) from None
         takes_time = _job_shape(name, handler, with_inbox=inbox is not None)
@@ -281,8 +282,6 @@ def _job_shape(name: str, handler: object, *, with_inbox: bool = False) -> bool:
     where = f"schedule entry {name!r}"
     if not callable(handler):
         raise ScheduleError(f"{where}: handler {handler!r} is not callable")
-    if inspect.iscoroutinefunction(handler):
-        raise ScheduleError(f"{where}: async handlers are not supported; use a plain function")
     signature = inspect.signature(handler)
     inbox = [None] if with_inbox else []  # the transaction comes last
     try:

@@ -2,11 +2,12 @@
 
 Run as ``dramatiq tests.apps.module_job_app`` with ``REDIS_URL``, ``VALKEY_NAMESPACE``
 and ``GP_TEST_STYLE`` (``kit`` or ``middleware``); each run of the job counts
-itself in ``<namespace>:test:ticks``.
+itself in ``<namespace>:test:ticks``, and the ``async def`` one in ``<namespace>:test:async_ticks``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import dramatiq
@@ -21,6 +22,12 @@ counter = redis.Redis.from_url(os.environ["REDIS_URL"])
 @gp.job("test.module.tick", every="1s")
 def tick() -> None:
     counter.incr(f"{namespace}:test:ticks")
+
+
+@gp.job("test.module.async_tick", every="1s")
+async def async_tick() -> None:
+    await asyncio.sleep(0)
+    counter.incr(f"{namespace}:test:async_ticks")
 
 
 if os.environ["GP_TEST_STYLE"] == "kit":
