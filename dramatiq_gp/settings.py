@@ -102,7 +102,7 @@ class WorkerSettings(BaseSettings):
     unknown_task_grace: Duration = timedelta(minutes=5)
     #: How long the acks of finished messages are collected to be written in one
     #: Redis call; a worker killed outright may run that window's messages again. 0: one call per message.
-    settle_window: Duration = Field(default=timedelta(milliseconds=5), ge=timedelta(0), le=timedelta(seconds=1))
+    settle_window: Duration = Field(default=timedelta(milliseconds=1), ge=timedelta(0), le=timedelta(seconds=1))
 
     @model_validator(mode="after")
     def _backoff_order(self) -> WorkerSettings:

@@ -35,7 +35,7 @@ def test_defaults(env):
     assert settings.worker.max_retries == 25
     assert settings.worker.shutdown_timeout is None
     assert settings.worker.dedup_retention == timedelta(hours=24)
-    assert settings.worker.settle_window == timedelta(milliseconds=5)
+    assert settings.worker.settle_window == timedelta(milliseconds=1)
     assert settings.queue.display() == "redis://127.0.0.1:6379/0"
     assert settings.log.level == "INFO"
 

@@ -174,7 +174,7 @@ class RedisBroker(DramatiqRedisBroker):
             Redis connection parameters...).
     """
 
-    def __init__(self, *, unknown_task_grace_ms: int = 300_000, settle_window_ms: float = 5, **options: Any) -> None:
+    def __init__(self, *, unknown_task_grace_ms: int = 300_000, settle_window_ms: float = 1, **options: Any) -> None:
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
         self._hooks_for = 0  # how many middleware the cache was built for
         super().__init__(**options)  # type: ignore[no-untyped-call]

@@ -4,8 +4,10 @@ Dramatiq acks each message with a round trip of its own, from the worker thread
 that ran it: a request, a wait and a reply per message, the largest per-message
 cost left once the middleware is cheap. The :class:`Settler` collects what the
 worker threads settle (acks, nacks, and what goes with them: done-marks, retry
-copies) and writes it in one call per window (``WORKER_SETTLE_WINDOW``, 5 ms by
-default) from a thread of its own.
+copies) and writes it in one call per window (``WORKER_SETTLE_WINDOW``, 1 ms by
+default) from a thread of its own. The worker threads no longer wait for Redis, and
+under load one call settles many messages; a longer window saves little more CPU
+(measured: the same at 0.2, 1 and 5 ms) and widens what a ``kill -9`` runs again.
 
 What that changes, and what it does not:
 
