@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections import Counter
@@ -13,16 +14,21 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
+import sentry_sdk
 import sqlalchemy as sa
 from dramatiq.asyncio import EventLoopThread, get_event_loop_thread
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import AsyncIO, Retries
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sentry_sdk.envelope import Envelope
+from sentry_sdk.transport import Transport
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 import dramatiq_gp as gp
+from dramatiq_gp.middleware.sentry import Sentry
 from helpers import wait_for
 
 
@@ -164,7 +170,7 @@ def test_an_async_listener_with_an_async_inbox_applies_its_effect_once(database_
 
     registry.listen(OrderPlaced, record, name="record", inbox=async_engine)
     registry.listen(OrderPlaced, settle, name="settle")
-    broker = StubBroker(middleware=[dramatiq.middleware.AsyncIO(), gp.Listeners(registry)])
+    broker = StubBroker(middleware=[AsyncIO(), gp.Listeners(registry)])
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, worker_threads=1)
     worker.start()
@@ -261,3 +267,71 @@ def test_an_event_dispatched_async_reaches_an_async_listener_through_the_relay(m
 
     asyncio.run(place())
     wait_for(lambda: got == [11], timeout=15)
+
+
+class _Recorder(Transport):
+    """A Sentry transport that keeps what it would send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[dict[str, Any]] = []
+
+    def capture_envelope(self, envelope: Envelope) -> None:
+        event = envelope.get_event()
+        if event is not None:
+            self.events.append(event)
+
+
+def test_an_async_listener_runs_in_its_messages_sentry_scope_and_its_final_failure_is_one_event():
+    recorder = _Recorder()
+    sentry_sdk.init(dsn="https://key@o1.ingest.sentry.io/1", transport=recorder)
+    tags: list[dict[str, Any]] = []
+
+    async def charge(event: OrderPlaced) -> None:
+        await asyncio.sleep(0)
+        tags.append(dict(sentry_sdk.get_isolation_scope()._tags))
+        raise RuntimeError("the payment SDK is down")
+
+    try:
+        registry = gp.Registry()
+        registry.listen(OrderPlaced, charge, name="charge")
+        broker = StubBroker(
+            middleware=[AsyncIO(), Sentry(), gp.Listeners(registry), gp.PanicRecovery(), Retries(max_retries=0)]
+        )
+        broker.emit_after("process_boot")
+        worker = dramatiq.Worker(broker, worker_threads=1)
+        worker.start()
+        (message,) = registry.fan_out(OrderPlaced(9), str(uuid.uuid4()))
+        broker.enqueue(message)
+        broker.join("default", fail_fast=False)
+        worker.join()
+        worker.stop()
+    finally:
+        sentry_sdk.flush()
+        sentry_sdk.get_global_scope().set_client(None)
+    assert tags == [{**tags[0], "message_id": message.message_id, "task_type": message.actor_name, "attempt": 1}]
+    (event,) = recorder.events
+    assert event["tags"]["message_id"] == message.message_id
+    assert event["exception"]["values"][-1]["type"] == "RuntimeError"
+
+
+def test_an_async_listener_is_logged_and_a_duplicate_copy_never_reaches_it(make_kit, start_worker, caplog):
+    runs: list[str] = []
+
+    async def welcome(event: OrderPlaced) -> None:
+        runs.append(gp.current_envelope().id)
+
+    kit = make_kit(lambda registry, schedule: registry.listen(OrderPlaced, welcome, name="welcome"))
+    start_worker(kit)
+    envelope_id = str(uuid.uuid4())
+    with caplog.at_level(logging.INFO, logger="dramatiq_gp"):
+        kit.dispatch(OrderPlaced(4), envelope_id=envelope_id)
+        wait_for(lambda: runs == [envelope_id])
+        kit.broker.join("default")
+        kit.dispatch(OrderPlaced(4), envelope_id=envelope_id)  # the same fan-out ids again
+        wait_for(lambda: "already completed (duplicate)" in caplog.text)
+        kit.broker.join("default")
+    assert runs == [envelope_id]
+    task_lines = [r.getMessage().split(" task_id=")[0] for r in caplog.records if r.name == "dramatiq_gp.tasks"]
+    actor = "listener:test.async.order_placed:welcome"
+    assert task_lines[:2] == [f"task started task_type={actor}", f"task done task_type={actor}"]

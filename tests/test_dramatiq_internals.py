@@ -1053,3 +1053,35 @@ def test_queue_name_helpers_and_backoff_behave_as_the_kits_keys_and_polling_expe
     assert misses == 1 and 0 <= backoff <= 100
     assert compute_backoff(40, max_backoff=100)[1] <= 100
     assert abs(current_millis() - time.time() * 1000) < 1000
+
+
+def test_an_async_actor_runs_on_the_event_loop_thread_in_a_copy_of_the_worker_threads_context():
+    from contextvars import ContextVar
+
+    from dramatiq.asyncio import EventLoopThread, get_event_loop_thread
+    from dramatiq.brokers.stub import StubBroker
+    from dramatiq.middleware import AsyncIO
+
+    seen: ContextVar[str] = ContextVar("seen", default="the loop thread's")
+    observed: list[tuple[str, bool]] = []
+
+    class SetsInWorkerThread(Middleware):
+        def before_process_message(self, broker: Any, message: Any) -> None:
+            seen.set(f"worker thread's {message.message_id}")
+
+    broker = StubBroker(middleware=[AsyncIO(), SetsInWorkerThread()])
+
+    async def read() -> None:
+        observed.append((seen.get(), isinstance(threading.current_thread(), EventLoopThread)))
+        seen.set("changed in the task")
+
+    actor = Actor(read, broker=broker, actor_name="read", queue_name="default", priority=0, options={})
+    worker = Worker(broker, worker_threads=1)
+    worker.start()
+    assert get_event_loop_thread() is not None
+    message = actor.send()
+    broker.join("default")
+    worker.join()
+    worker.stop()
+    assert observed == [(f"worker thread's {message.message_id}", True)]
+    assert get_event_loop_thread() is None  # AsyncIO's after_worker_shutdown cleared it

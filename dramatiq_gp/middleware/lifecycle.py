@@ -38,6 +38,9 @@ from ..telemetry import Telemetry
 
 Closer = Callable[[], object]
 
+#: Set on a message put back at the drain timeout: its attempt ends later (a cancelled coroutine), and is no failure.
+PUT_BACK_ATTR = "_gp_put_back"
+
 
 class Closers:
     """Named clean-up functions, run last-in first-out: the kit's own, then the application's."""
@@ -180,6 +183,7 @@ class Lifecycle(Middleware):
             )  # fmt: skip
             return
         for message in unfinished:
+            setattr(message, PUT_BACK_ATTR, True)
             try:
                 broker.settle(message.queue_name, message, "requeue")
             except Exception:

@@ -20,6 +20,7 @@ from dramatiq import Broker, Middleware, Retry
 from dramatiq.broker import MessageProxy
 from dramatiq.rate_limits import RateLimitExceeded
 
+from .lifecycle import PUT_BACK_ATTR
 from .retries import expected_failure
 
 _STARTED_ATTR = "_gp_started"
@@ -89,6 +90,13 @@ class TaskLog(Middleware):
             "attempt": started[1],
             "duration_ms": round(duration_ms, 2),
         }
+        if exception is not None and getattr(message, PUT_BACK_ATTR, False):
+            # A coroutine cancelled at shutdown after its message went back to the queue: it runs again.
+            self.logger.warning(
+                "task put back task_type=%s task_id=%s attempt=%d duration_ms=%.2f: cancelled at the drain timeout",
+                message.actor_name, message.message_id, started[1], duration_ms, extra=fields,
+            )  # fmt: skip
+            return
         if exception is None:
             if self.logger.isEnabledFor(logging.INFO):
                 self.logger.info(
