@@ -24,6 +24,7 @@ from .events import event, event_type
 from .exactly_once import AlreadyApplied, inbox
 from .kit import Kit, RegisterFunc, dispatch, dispatch_async
 from .middleware import (
+    AsyncIO,
     IdempotentExecution,
     Lifecycle,
     Listeners,
@@ -46,6 +47,7 @@ from .telemetry import Telemetry
 
 __all__ = [
     "AlreadyApplied",
+    "AsyncIO",
     "BrokerMismatch",
     "BrokerUnreachable",
     "ConfigError",

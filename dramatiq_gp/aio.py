@@ -2,8 +2,8 @@
 
 Dramatiq's ``Actor`` wraps a coroutine function with ``dramatiq.asyncio.async_to_sync``:
 the worker thread hands the coroutine to the one ``EventLoopThread`` of the
-process (started by Dramatiq's ``AsyncIO`` middleware, which
-:func:`~dramatiq_gp.default_middleware` lists) and blocks until it finishes. So
+process (started by an ``AsyncIO`` middleware: :class:`AsyncIO`, Dramatiq's with a daemon
+thread, is in :func:`~dramatiq_gp.default_middleware`) and blocks until it finishes. So
 every middleware hook still runs in the worker thread, around the call, exactly
 as for a plain function; and the coroutine runs in a *copy* of that thread's
 context (asyncio copies it when the worker thread schedules the task), so it
@@ -27,14 +27,33 @@ import asyncio
 import inspect
 import threading
 
-from dramatiq import Broker
-from dramatiq.asyncio import get_event_loop_thread
-from dramatiq.middleware import AsyncIO
+from dramatiq import Broker, Worker
+from dramatiq.asyncio import EventLoopThread, get_event_loop_thread, set_event_loop_thread
+from dramatiq.middleware import AsyncIO as DramatiqAsyncIO
 
 from .errors import RegistrationError
 
 #: How long the shutdown waits for cancelled coroutines to run their clean-up.
 CANCEL_WAIT_S = 1.0
+
+
+class AsyncIO(DramatiqAsyncIO):
+    """Dramatiq's ``AsyncIO`` middleware, with its event-loop thread a daemon.
+
+    Dramatiq's loop thread is not a daemon: a worker process told to stop twice
+    (the ``dramatiq`` command exits at the second SIGTERM, which a process-group
+    signal delivers) would wait for it for ever, where every other thread of the
+    kit's is a daemon and the process ends. Otherwise the same: it starts the
+    loop in ``before_worker_boot`` and stops it in ``after_worker_shutdown``.
+
+    Hooks: ``before_worker_boot``, ``after_worker_shutdown``. Works on any broker.
+    """
+
+    def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        thread = EventLoopThread(self.logger)
+        thread.daemon = True
+        thread.start(timeout=1.0)
+        set_event_loop_thread(thread)
 
 
 def is_async(handler: object) -> bool:
@@ -46,11 +65,11 @@ def require_event_loop(broker: Broker, where: str) -> None:
     """Refuse an async handler on a broker that would have no event loop to run it on.
 
     Raises:
-        RegistrationError: ``broker`` has no ``dramatiq.middleware.AsyncIO``, naming ``where``.
+        RegistrationError: ``broker`` has no ``AsyncIO`` (Dramatiq's or the kit's), naming ``where``.
     """
-    if not any(isinstance(middleware, AsyncIO) for middleware in broker.middleware):
+    if not any(isinstance(middleware, DramatiqAsyncIO) for middleware in broker.middleware):
         raise RegistrationError(
-            f"{where} is async: add dramatiq.middleware.AsyncIO() to the broker's middleware "
+            f"{where} is async: add gp.AsyncIO() to the broker's middleware "
             "(gp.default_middleware() and the Kit have it)"
         )
 

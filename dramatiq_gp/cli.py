@@ -430,17 +430,19 @@ def add_event(module: str, event: str, root: Path) -> None:
 @click.argument("event")
 @click.argument("name")
 @click.option("--queue", default="default", show_default=True)
+@click.option("--async", "is_async", is_flag=True, help="an async def stub (runs on the event-loop thread)")
 @_project
-def add_listener(module: str, event: str, name: str, queue: str, root: Path) -> None:
+def add_listener(module: str, event: str, name: str, queue: str, is_async: bool, root: Path) -> None:
     """A listener stub for an event, registered in the module.
 
     \b
     Example:
       dramatiq-gp add listener billing InvoicePaid send_receipt --queue mail
+      dramatiq-gp add listener billing InvoicePaid notify_crm --async
     """
     from . import generate
 
-    _apply(lambda: generate.add_listener(root, module, event, name, queue=queue))
+    _apply(lambda: generate.add_listener(root, module, event, name, queue=queue, is_async=is_async))
 
 
 @add.command("job")
@@ -448,17 +450,19 @@ def add_listener(module: str, event: str, name: str, queue: str, root: Path) -> 
 @click.argument("name")
 @click.option("--cron", required=True, help='when it runs: "0 3 * * *", "@daily", "@every 10m"')
 @click.option("--queue", default="default", show_default=True)
+@click.option("--async", "is_async", is_flag=True, help="an async def stub (runs on the event-loop thread)")
 @_project
-def add_job(module: str, name: str, cron: str, queue: str, root: Path) -> None:
+def add_job(module: str, name: str, cron: str, queue: str, is_async: bool, root: Path) -> None:
     """A job stub on a cron schedule, registered in the module.
 
     \b
     Example:
       dramatiq-gp add job billing nightly_report --cron "0 3 * * *"
+      dramatiq-gp add job billing sync_invoices --cron "@every 10m" --async
     """
     from . import generate
 
-    _apply(lambda: generate.add_job(root, module, name, cron=cron, queue=queue))
+    _apply(lambda: generate.add_job(root, module, name, cron=cron, queue=queue, is_async=is_async))
 
 
 # -- status ------------------------------------------------------------------------

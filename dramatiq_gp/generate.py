@@ -217,7 +217,9 @@ def _queue(queue: str) -> str:
     return queue
 
 
-def add_listener(root: Path, module: str, event: str, name: str, *, queue: str = "default") -> Plan:
+def add_listener(
+    root: Path, module: str, event: str, name: str, *, queue: str = "default", is_async: bool = False
+) -> Plan:
     package, base = _module_dir(root, module)
     _event_exists(base, event)
     name, queue = _snake("listener name", name), _queue(queue)
@@ -228,14 +230,15 @@ def add_listener(root: Path, module: str, event: str, name: str, *, queue: str =
     text = register.read_text()
     if f'name="{name}"' in text and registration not in text:
         raise GenerateError(f"listener {name!r} is already registered in {module}/register.py with other options")
-    plan.new_file(stub, _LISTENER.format(package=package, module=module, event=event, name=name))
+    template = _ASYNC_LISTENER if is_async else _LISTENER
+    plan.new_file(stub, template.format(package=package, module=module, event=event, name=name))
     plan.insert(register, "listener-imports", f"from {package}.modules.{module}.listeners.{name} import {name}")
     plan.insert(register, "event-imports", f"from {package}.modules.{module}.events import {event}")
     plan.insert(register, "listeners", registration)
     return plan
 
 
-def add_job(root: Path, module: str, name: str, *, cron: str, queue: str = "default") -> Plan:
+def add_job(root: Path, module: str, name: str, *, cron: str, queue: str = "default", is_async: bool = False) -> Plan:
     package, base = _module_dir(root, module)
     name, queue = _snake("job name", name), _queue(queue)
     try:
@@ -249,7 +252,8 @@ def add_job(root: Path, module: str, name: str, *, cron: str, queue: str = "defa
     text = register.read_text()
     if f'schedule.job("{entry}",' in text and registration not in text:
         raise GenerateError(f"job {entry!r} is already scheduled in {module}/register.py with another spec or queue")
-    plan.new_file(base / "jobs" / f"{name}.py", _JOB.format(package=package, name=name, entry=entry))
+    template = _ASYNC_JOB if is_async else _JOB
+    plan.new_file(base / "jobs" / f"{name}.py", template.format(package=package, name=name, entry=entry))
     plan.insert(register, "job-imports", f"from {package}.modules.{module}.jobs.{name} import {name}")
     plan.insert(register, "jobs", registration)
     return plan
@@ -317,6 +321,40 @@ def {name}(deps: Dependencies) -> Callable[[{event}], None]:
         """Handle one {event}; it may run more than once, so make it idempotent."""
 
     return handle
+'''
+
+_ASYNC_LISTENER = '''"""The {name} listener of {event}, async: it runs on the worker's event-loop thread."""
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from {package}.deps import Dependencies
+from {package}.modules.{module}.events import {event}
+
+
+def {name}(deps: Dependencies) -> Callable[[{event}], Coroutine[Any, Any, None]]:
+    async def handle(event: {event}) -> None:
+        """Handle one {event}; it may run more than once, so make it idempotent.
+
+        Await async clients here (httpx.AsyncClient, an async SDK); blocking calls would stall the loop.
+        """
+
+    return handle
+'''
+
+_ASYNC_JOB = '''"""The {entry} job, async: it runs on the worker's event-loop thread."""
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from {package}.deps import Dependencies
+
+
+def {name}(deps: Dependencies) -> Callable[[], Coroutine[Any, Any, None]]:
+    async def run() -> None:
+        """One run of {entry}; a failure is retried. Await async clients here; blocking calls stall the loop."""
+
+    return run
 '''
 
 _JOB = '''"""The {entry} job."""

@@ -30,7 +30,7 @@ from uuid import uuid4
 import dramatiq
 import redis
 from dramatiq import Middleware
-from dramatiq.middleware import AsyncIO
+from dramatiq.middleware import AsyncIO as DramatiqAsyncIO
 from opentelemetry import trace
 
 from .brokers.redis import RedisBroker
@@ -109,8 +109,8 @@ class Kit:
         self.lifecycle = _find(stack, Lifecycle)
         if engine is None and self.engine is not None:
             self.lifecycle.closers.kit.append(("outbox database", self.engine.dispose))
-        if any(isinstance(m, AsyncIO) for m in middleware):  # one event loop: the application's
-            stack = [m for m in stack if not isinstance(m, AsyncIO)]
+        if any(isinstance(m, DramatiqAsyncIO) for m in middleware):  # one event loop: the application's
+            stack = [m for m in stack if not isinstance(m, DramatiqAsyncIO)]
         self.broker = self._build_broker(options, [*stack, *middleware])
         self.lifecycle.closers.kit.append(("queue client", self.broker.client.connection_pool.disconnect))
         dramatiq.set_broker(self.broker)

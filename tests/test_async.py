@@ -67,6 +67,7 @@ def test_an_async_listener_fans_out_beside_a_sync_one_and_is_retried_on_its_own(
     assert runs == {"notify": 2, "ledger": 1}  # the retry re-ran the async listener only
     (loop_thread,) = loop_threads
     assert isinstance(loop_thread, EventLoopThread)  # Dramatiq's event-loop thread, not a worker thread
+    assert loop_thread.daemon  # gp.AsyncIO's: a process told twice to stop does not wait for it
 
 
 def test_two_async_listeners_interleaving_on_one_loop_each_see_their_own_envelope_and_span(make_kit, start_worker):
@@ -170,7 +171,7 @@ def test_an_async_listener_with_an_async_inbox_applies_its_effect_once(database_
 
     registry.listen(OrderPlaced, record, name="record", inbox=async_engine)
     registry.listen(OrderPlaced, settle, name="settle")
-    broker = StubBroker(middleware=[AsyncIO(), gp.Listeners(registry)])
+    broker = StubBroker(middleware=[gp.AsyncIO(), gp.Listeners(registry)])
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, worker_threads=1)
     worker.start()

@@ -39,6 +39,8 @@ def project(tmp_path: Path) -> tuple[Path, str]:
         ["add", "event", "billing", "InvoicePaid"],
         ["add", "listener", "billing", "InvoicePaid", "send_receipt", "--queue", "mail"],
         ["add", "job", "billing", "heartbeat", "--cron", "@every 1s"],
+        ["add", "listener", "billing", "InvoicePaid", "notify_crm", "--async"],
+        ["add", "job", "billing", "async_heartbeat", "--cron", "@every 1s", "--async"],
     ]
     for step in steps:
         code, output = gp(*step, "-C", str(root))
@@ -65,7 +67,9 @@ def test_the_generated_worker_runs_the_listener_and_the_job(project, clean_env, 
     root, name = project
     effects = root / "effects.txt"
     # The handler bodies are the user's: make them leave a trace.
-    for stub, line in (("listeners/send_receipt.py", "receipt"), ("jobs/heartbeat.py", "heartbeat")):
+    stubs = [("listeners/send_receipt.py", "receipt"), ("jobs/heartbeat.py", "heartbeat"),
+             ("listeners/notify_crm.py", "crm"), ("jobs/async_heartbeat.py", "async_heartbeat")]  # fmt: skip
+    for stub, line in stubs:
         path = root / name / "modules" / "billing" / stub
         text = path.read_text()
         body_marker = '"""\n\n    return'
@@ -87,12 +91,17 @@ def test_the_generated_worker_runs_the_listener_and_the_job(project, clean_env, 
             "    gp.dispatch(conn, InvoicePaid())\n"
         )
         subprocess.run([sys.executable, "-c", dispatch], cwd=root, env=env, check=True, capture_output=True)
-        wait_for(lambda: effects.exists() and {"receipt", "heartbeat"} <= set(effects.read_text().split()), timeout=30)
+        expected = {"receipt", "heartbeat", "crm", "async_heartbeat"}
+        wait_for(lambda: effects.exists() and expected <= set(effects.read_text().split()), timeout=30)
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(30)
         log.close()
     assert effects.read_text().split().count("receipt") == 1
+    assert effects.read_text().split().count("crm") == 1
+    assert (
+        "async def handle(event: InvoicePaid)" in (root / name / "modules/billing/listeners/notify_crm.py").read_text()
+    )
 
 
 def test_every_generator_run_again_changes_nothing(project):

@@ -16,8 +16,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from dramatiq import Middleware
-from dramatiq.middleware import AgeLimit, AsyncIO, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
+from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
 
+from ..aio import AsyncIO
 from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
 from ..scheduler import Entry, Schedule, default_schedule
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
 
 __all__ = [
+    "AsyncIO",
     "ClaimUnavailable",
     "IdempotentExecution",
     "Lifecycle",
@@ -72,7 +74,7 @@ def default_middleware(
     then the lifecycle, which sees every message first and last; tracing and
     Sentry, so every message, a skipped duplicate too, gets a span and a scope, and
     a retry is sent from inside its span; the task log, metrics and Sentry read
-    ``Retries``' verdict, which comes last. Dramatiq's ``AsyncIO`` (the event-loop
+    ``Retries``' verdict, which comes last. :class:`AsyncIO` (the event-loop
     thread ``async def`` listeners and jobs run on) comes just before the
     lifecycle, so its loop stops only after the drain. Dramatiq's own ``AgeLimit``,
     ``TimeLimit``, ``ShutdownNotifications``, ``Callbacks`` and ``Pipelines`` are

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -31,7 +32,7 @@ from dramatiq import Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.cli import RET_CONNECT
 
-from ..aio import cancel_coroutines
+from ..aio import CANCEL_WAIT_S, cancel_coroutines
 from ..brokers.redis import RedisBroker
 from ..durations import format_duration
 from ..telemetry import Telemetry
@@ -164,6 +165,11 @@ class Lifecycle(Middleware):
         cancelled = cancel_coroutines()
         if cancelled:
             self.logger.warning("shutdown: cancelled %d coroutine(s) still running at the drain timeout", cancelled)
+            # Their worker threads end those attempts (task log, Sentry, metrics) before the closers and the
+            # telemetry flush, not racing the process's exit.
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            while self._in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
         self.logger.info("shutdown: running closers")
         self.closers.run(self.logger)
         if self.telemetry is not None:
