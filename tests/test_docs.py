@@ -216,3 +216,40 @@ def test_the_cli_pages_operator_commands_run_against_real_servers_as_shown(tmp_p
 @dataclass(frozen=True)
 class Retired:
     n: int
+
+
+def test_the_outbox_pages_async_checkout_writes_its_row_in_the_callers_transaction(tmp_path, database_url, monkeypatch):
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    files, _ = _samples(ROOT / "docs" / "outbox.md")
+    (tmp_path / "checkout.py").write_text(files["checkout.py"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import checkout
+
+    sync_engine = sa.create_engine(database_url)
+    gp.outbox.migrate(sync_engine)
+    events = gp.outbox.OUTBOX_EVENTS
+
+    async def main() -> tuple[str, list[str]]:
+        engine = create_async_engine(database_url)
+        try:
+            async with AsyncSession(engine) as session:
+                event_id = await checkout.pay(session, 41)
+            with pytest.raises(RuntimeError):  # the caller's transaction fails after the dispatch
+                async with AsyncSession(engine) as session, session.begin():
+                    await gp.dispatch_async(session, checkout.OrderPaid(42))
+                    raise RuntimeError("payment declined")
+        finally:
+            await engine.dispose()
+        with sync_engine.connect() as conn:
+            ids = conn.execute(sa.select(events.c.id).where(events.c.event == "docs.checkout.order_paid")).scalars()
+            return event_id, [str(i) for i in ids]
+
+    try:
+        event_id, written = asyncio.run(main())
+    finally:
+        sync_engine.dispose()
+    # The committed one is there under its id; the one whose transaction failed never was.
+    assert written == [event_id]
