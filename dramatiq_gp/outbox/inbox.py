@@ -25,24 +25,28 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import RegistrationError
 from ..exactly_once import AlreadyApplied
-from .table import INBOX
+from .table import INBOX, INBOX_TABLE_NAME
 
 logger = logging.getLogger("dramatiq_gp.inbox")
 
 #: How many expired rows one prune deletes at most.
 PRUNE_BATCH = 5000
 
-# RETURNING says whether the row went in (the driver's rowcount for ON CONFLICT is not reliable).
-_INSERTS: dict[str, Any] = {
-    name: dialect.insert(INBOX).on_conflict_do_nothing(index_elements=[INBOX.c.message_id]).returning(sa.literal(1))
-    for name, dialect in (("postgresql", postgresql), ("sqlite", sqlite))
-}
+# Sent on the DBAPI cursor of the handler's own connection, not through SQLAlchemy: Core's
+# execute (cache lookup, result wrapping) cost more CPU than the statement (pinned, one
+# thread: +270 us a message against +110). ON CONFLICT DO NOTHING sets rowcount 0 on a
+# duplicate, with psycopg and sqlite3 alike. Per paramstyle: psycopg's %s, sqlite3's ?.
+_INSERT = (
+    f"INSERT INTO {INBOX_TABLE_NAME} (message_id, task_type, envelope_id) VALUES ({{0}}, {{0}}, {{0}}) "
+    "ON CONFLICT (message_id) DO NOTHING"
+)
+_INSERTS = {"format": _INSERT.format("%s"), "pyformat": _INSERT.format("%s"), "qmark": _INSERT.format("?")}
+_DIALECTS = ("postgresql", "sqlite")
 
 
 def check_bind(bind: object, where: str, *, is_async: bool = False) -> None:
@@ -70,9 +74,9 @@ def check_bind(bind: object, where: str, *, is_async: bool = False) -> None:
         wanted = "an AsyncEngine or async_sessionmaker" if is_async else "an Engine or sessionmaker"
         kind = "an async" if is_async else "a plain"
         raise RegistrationError(f"{where}: {kind} handler's inbox= takes {wanted}, not {type(bind).__name__}")
-    dialect = engine.dialect.name
-    if dialect not in _INSERTS:
-        raise RegistrationError(f"{where}: the inbox needs PostgreSQL (or SQLite), not {dialect}")
+    dialect = engine.dialect
+    if dialect.name not in _DIALECTS or dialect.paramstyle not in _INSERTS:
+        raise RegistrationError(f"{where}: the inbox needs PostgreSQL (or SQLite), not {dialect.name}")
 
 
 @contextmanager
@@ -89,11 +93,11 @@ def transaction(
     row = {"message_id": message_id, "task_type": task_type, "envelope_id": envelope_id}
     if isinstance(bind, sa.Engine):
         with bind.begin() as conn:
-            _record(conn, conn.dialect.name, row)
+            _record(conn, row)
             yield conn
     else:
         with bind() as session, session.begin():
-            _record(session, session.get_bind().dialect.name, row)
+            _record(session.connection(), row)
             yield session
 
 
@@ -110,16 +114,22 @@ async def transaction_async(
     row = {"message_id": message_id, "task_type": task_type, "envelope_id": envelope_id}
     if isinstance(bind, AsyncEngine):
         async with bind.begin() as conn:
-            await conn.run_sync(lambda sync: _record(sync, sync.dialect.name, row))
+            await conn.run_sync(lambda sync: _record(sync, row))
             yield conn
     else:
         async with bind() as session, session.begin():
-            await session.run_sync(lambda sync: _record(sync, sync.get_bind().dialect.name, row))
+            await session.run_sync(lambda sync: _record(sync.connection(), row))
             yield session
 
 
-def _record(target: sa.Connection | Session, dialect: str, row: dict[str, Any]) -> None:
-    if target.execute(_INSERTS[dialect], row).first() is not None:
+def _record(conn: sa.Connection, row: dict[str, Any]) -> None:
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]  # checked out: not None
+    try:
+        cursor.execute(_INSERTS[conn.dialect.paramstyle], (row["message_id"], row["task_type"], row["envelope_id"]))
+        inserted = cursor.rowcount == 1
+    finally:
+        cursor.close()
+    if inserted:
         return
     logger.warning("task skipped: already applied (inbox) task_type=%s task_id=%s", row["task_type"], row["message_id"])
     raise AlreadyApplied(f"message {row['message_id']} was applied already")
