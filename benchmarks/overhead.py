@@ -11,6 +11,14 @@ nothing in the worker, and watches the queue drain from outside. Variants:
 * ``kit_quiet``: ``kit`` with ``LOG_LEVEL=WARN`` (no per-task lines);
 * ``listener``: a no-op listener reached through a fan-out (envelope ids and
   idempotent execution included);
+* ``db_listener``: a listener that inserts one row into PostgreSQL in a
+  transaction of its own (``engine.begin()``);
+* ``inbox``: the same row written through the inbox (``inbox=engine``): one more
+  ``INSERT`` in the same transaction, the Redis claim still on (the default);
+* ``inbox_noclaim``: ``inbox`` with the Redis claim off (``idempotent=False``),
+  which the inbox makes redundant; ``db_listener`` and the inbox variants count
+  their rows at the end (one per message, or the run fails). Their CPU is the
+  worker's only, as for every variant: PostgreSQL's own work is not in it;
 * ``traced``: ``kit`` with telemetry on: each message's producer and consumer
   spans go through a batch span processor to an exporter that discards them,
   and Sentry is initialised with its DSN at a local endpoint (per-message
@@ -40,6 +48,7 @@ its resident memory; the CPU ratios are each variant's median over bare's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -56,7 +65,9 @@ from typing import IO
 
 import redis
 
-from benchmarks.overhead_worker import DRAMATIQ_VARIANTS, PEERS, outstanding_keys
+from benchmarks.outbox_common import scratch_database
+from benchmarks.overhead_worker import DB_VARIANTS, DRAMATIQ_VARIANTS, PEERS, outstanding_keys
+from devtools.services import services
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = DRAMATIQ_VARIANTS
@@ -94,7 +105,17 @@ def _tail(err: IO[bytes]) -> str:
     return err.read().decode(errors="replace")[-3000:]
 
 
-def run_one(variant: str, *, messages: int, threads: int, prefetch: int, core: int, redis_url: str, python: str) -> Run:
+def run_one(
+    variant: str,
+    *,
+    messages: int,
+    threads: int,
+    prefetch: int,
+    core: int,
+    redis_url: str,
+    python: str,
+    db_url: str | None = None,
+) -> Run:
     """Run ``variant`` once in a pinned worker process and measure it from here."""
     namespace = f"gpbench-{uuid.uuid4().hex[:8]}"
     client = redis.Redis.from_url(redis_url)
@@ -109,6 +130,9 @@ def run_one(variant: str, *, messages: int, threads: int, prefetch: int, core: i
     command = [python, "-m", "benchmarks.overhead_worker", "--variant", variant, "--messages", str(messages),
                "--threads", str(threads), "--prefetch", str(prefetch), "--core", str(core),
                "--namespace", namespace, "--redis-url", redis_url]  # fmt: skip
+    if variant in DB_VARIANTS:
+        assert db_url is not None
+        command += ["--db-url", db_url]
     timeout = 60 + messages / 100
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -151,6 +175,8 @@ def run_one(variant: str, *, messages: int, threads: int, prefetch: int, core: i
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if proc.returncode and variant not in PEERS:
+                raise RuntimeError(f"{variant}: the worker failed ({proc.returncode}):\n{_tail(err)}")
             for pattern in (f"{namespace}*", f"_kombu.binding*{namespace}*"):  # kombu's bindings of the queue
                 for key in client.scan_iter(pattern, count=1000):
                     client.delete(key)
@@ -223,6 +249,16 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
 
+    with contextlib.ExitStack() as stack:
+        db_url = None
+        if set(variants) & set(DB_VARIANTS):
+            server = os.environ.get("DB_URL") or stack.enter_context(services())["DB_URL"]
+            db_url = stack.enter_context(scratch_database(server.replace("postgresql://", "postgresql+psycopg://", 1)))
+        return _run(args, variants, redis_url, db_url)
+
+
+def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: str | None) -> int:
+    """Sweep bare's prefetch (unless given), run every variant ``--rounds`` times in turn, report the medians."""
     cores = os.sched_getaffinity(0)
     core = args.core if args.core is not None else max(cores)
     if cores - {core}:
@@ -232,7 +268,7 @@ def main(argv: list[str]) -> int:
     if args.peers:
         python.update({peer: peer_python(args.peers_venv, peer) for peer in PEERS})
         variants += PEERS
-    common = {"threads": args.threads, "core": core, "redis_url": redis_url}
+    common = {"threads": args.threads, "core": core, "redis_url": redis_url, "db_url": db_url}
 
     summary: dict[str, object] = {}
     if args.prefetch is None:
@@ -275,6 +311,14 @@ def main(argv: list[str]) -> int:
                 summary[key] = round(medians[variant].cpu_us_per_msg / medians["bare"].cpu_us_per_msg, 3)
     for variant, run in medians.items():
         summary[f"{variant}_rss_mb"] = round(run.rss_mb, 1)
+    if "inbox" in medians:
+        # What the inbox adds to a listener that writes a row anyway, and what the Redis claim adds to the inbox.
+        for base, key in (
+            ("db_listener", "inbox_extra_cpu_us_per_msg"),
+            ("inbox_noclaim", "inbox_claim_cpu_us_per_msg"),
+        ):
+            if base in medians:
+                summary[key] = round(medians["inbox"].cpu_us_per_msg - medians[base].cpu_us_per_msg)
     summary.update(bare_prefetch=prefetch, rounds=args.rounds, messages=args.messages, threads=args.threads)
 
     print("medians:")

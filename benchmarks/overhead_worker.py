@@ -21,7 +21,11 @@ import tempfile
 import uuid
 from typing import Any
 
-DRAMATIQ_VARIANTS = ("bare", "kit", "kit_quiet", "listener", "traced")
+DRAMATIQ_VARIANTS = ("bare", "kit", "kit_quiet", "listener", "db_listener", "inbox", "inbox_noclaim", "traced")
+#: The variants whose listener writes a row to PostgreSQL (given with ``--db-url``).
+DB_VARIANTS = ("db_listener", "inbox", "inbox_noclaim")
+#: The table those listeners write one row per message to.
+EFFECTS = "gp_bench_effects"
 PEERS = ("celery_threads", "arq")
 QUEUE = "bench"
 
@@ -95,7 +99,23 @@ def _fill(broker: Any, messages: list[Any]) -> None:
             pipe.execute()
 
 
-def run_dramatiq(variant: str, messages: int, threads: int, prefetch: int, namespace: str, redis_url: str) -> None:
+def _effects_engine(db_url: str, threads: int) -> Any:
+    """An engine with a connection per worker thread, on an empty effects table and an empty inbox."""
+    import sqlalchemy as sa
+
+    import dramatiq_gp as gp
+
+    engine = sa.create_engine(db_url, pool_size=threads)
+    gp.outbox.migrate(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE TABLE IF NOT EXISTS {EFFECTS} (n bigint NOT NULL, envelope_id text NOT NULL)"))
+        conn.execute(sa.text(f"TRUNCATE {EFFECTS}, {gp.outbox.INBOX_TABLE_NAME}"))
+    return engine
+
+
+def run_dramatiq(
+    variant: str, messages: int, threads: int, prefetch: int, namespace: str, redis_url: str, db_url: str | None
+) -> None:
     """A Dramatiq worker (bare or the kit's) with ``prefetch`` per queue; ``bare`` never imports dramatiq_gp."""
     os.environ["dramatiq_queue_prefetch"] = str(prefetch)  # noqa: SIM112 (Dramatiq's spelling, read at import)
     os.environ["REDIS_URL"] = redis_url
@@ -122,7 +142,7 @@ def run_dramatiq(variant: str, messages: int, threads: int, prefetch: int, names
     def noop(n: int) -> None:
         pass
 
-    if variant == "listener":
+    if variant == "listener" or variant in DB_VARIANTS:
         from dataclasses import dataclass
 
         @gp.event("benchmarks.overhead.tick")
@@ -130,7 +150,29 @@ def run_dramatiq(variant: str, messages: int, threads: int, prefetch: int, names
         class Tick:
             n: int
 
-        kit.registry.listen(Tick, lambda event: None, name="noop", queue=QUEUE)
+        if variant == "listener":
+            kit.registry.listen(Tick, lambda event: None, name="noop", queue=QUEUE)
+        else:
+            # One row per message: in a transaction of its own, or in the inbox's (with or without the Redis claim).
+            import sqlalchemy as sa
+
+            assert db_url is not None, f"{variant} needs --db-url"
+            engine = _effects_engine(db_url, threads)
+            insert = sa.text(f"INSERT INTO {EFFECTS} (n, envelope_id) VALUES (:n, :envelope_id)")
+
+            def write(event: Tick, conn: sa.Connection) -> None:
+                conn.execute(insert, {"n": event.n, "envelope_id": gp.current_envelope().id})
+
+            if variant == "db_listener":
+
+                def own_transaction(event: Tick) -> None:
+                    with engine.begin() as conn:
+                        write(event, conn)
+
+                kit.registry.listen(Tick, own_transaction, name="write", queue=QUEUE)
+            else:
+                claim = {"idempotent": False} if variant == "inbox_noclaim" else {}
+                kit.registry.listen(Tick, write, name="write", queue=QUEUE, inbox=engine, **claim)
         batch = [m for n in range(messages) for m in kit.registry.fan_out(Tick(n), str(uuid.uuid4()))]
     else:
         actor = dramatiq.actor(noop, broker=broker, queue_name=QUEUE, actor_name="noop")
@@ -145,6 +187,11 @@ def run_dramatiq(variant: str, messages: int, threads: int, prefetch: int, names
     sys.stdin.readline()  # the driver's "stop", or EOF if the driver is gone
     worker.stop()
     os.unlink(log_path)
+    if variant in DB_VARIANTS:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text(f"SELECT count(*), count(DISTINCT n) FROM {EFFECTS}")).one()
+        if tuple(rows) != (messages, messages):
+            sys.exit(f"{variant}: {rows[0]} rows ({rows[1]} distinct) for {messages} messages")
 
 
 def run_celery(messages: int, threads: int, prefetch: int, namespace: str, redis_url: str) -> None:
@@ -226,6 +273,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--core", type=int, required=True)
     parser.add_argument("--namespace", required=True)
     parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--db-url", help="PostgreSQL for the variants that write a row")
     args = parser.parse_args(argv)
     os.sched_setaffinity(0, {args.core})  # before any thread starts: every thread inherits it
     if args.variant == "celery_threads":
@@ -233,7 +281,9 @@ def main(argv: list[str]) -> int:
     elif args.variant == "arq":
         run_arq(args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
     else:
-        run_dramatiq(args.variant, args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
+        run_dramatiq(
+            args.variant, args.messages, args.threads, args.prefetch, args.namespace, args.redis_url, args.db_url
+        )
     return 0
 
 

@@ -9,11 +9,19 @@ SIGTERM restart of every replica, a Redis restart, a PostgreSQL restart, the
 leader's replica paused with SIGSTOP past the lease TTL, a poison outbox event,
 and garbage pushed into a queue (bytes, JSON of the wrong shape, 100 kB, a task
 type no worker knows); a listener (``audit``) fails half its attempts throughout.
+Apart from that rotation, six times a run (every tenth of it, from 45 s), a worker
+is killed between an inbox commit and its ack: the next ``audit`` run to commit
+SIGKILLs its own process before acking (``kill_after_commit``), and its replica is
+started again.
 
 When the time is up the load stops, the system settles, and the ledger is read:
 
 * ``lost``: committed orders missing any of their three effects (mail, sale, audit);
-* ``duplicate_effects``: effects applied more than once (the audit listener counts runs);
+* ``duplicate_effects``: effects applied more than once (the audit listener counts runs;
+  it writes through the inbox, as the shop's ``record_sale`` does);
+* ``kills_after_commit``: workers that killed themselves between an inbox commit and
+  its ack, and ``inbox_duplicates_prevented``: copies the inbox skipped (its
+  ``task skipped: already applied (inbox)`` lines in the replicas' logs);
 * ``ticks_missed`` / ``ticks_duplicated``: seconds from the first tick of each
   entry (the ``soak.tick`` job, the ``soak.beat`` event) to the end of the load
   with no run, and ticks run more than once;
@@ -106,6 +114,7 @@ class Soak:
     poison: int = 0
     garbage: int = 0
     unknown: int = 0
+    kills_after_commit: int = 0
     rss_start: float = 0.0
     stop_load: threading.Event = field(default_factory=threading.Event)
 
@@ -151,6 +160,9 @@ class Soak:
         kinds = ["kill_replica", "kill_leader", "pause_leader", "redis_restart", "postgres_restart",
                  "rolling_restart", "poison_event", "garbage_message"]  # fmt: skip
         next_fault = started + fault_gap
+        # Not in the rotation: aimed at the gap between an inbox commit and its ack, at least 4 times a run.
+        commit_kill_gap = max(10.0, self.minutes * 60 / 6)
+        next_commit_kill = started + min(45.0, commit_kill_gap / 2)
         while time.monotonic() < end:
             if not self.rss_start and time.monotonic() - started >= min(120, self.minutes * 60 / 3):
                 self.rss_start = self._rss()
@@ -160,6 +172,11 @@ class Soak:
                 self.faults[kind] += 1
                 print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
                 next_fault = time.monotonic() + fault_gap
+            elif time.monotonic() >= next_commit_kill:
+                killed = self._kill_after_commit()
+                self.faults["kill_after_commit"] += 1
+                print(f"[{time.monotonic() - started:6.0f}s] fault kill_after_commit: {killed}", flush=True)
+                next_commit_kill = time.monotonic() + commit_kill_gap
             time.sleep(0.2)
         self.stop_load.set()
         load.join()
@@ -176,6 +193,35 @@ class Soak:
         return result
 
     # -- load and faults -------------------------------------------------------------
+
+    def _kill_after_commit(self, timeout: float = 30) -> str:
+        """Arm the worker-side kill (see :mod:`benchmarks.soak_worker`), restart the replica that died."""
+        import redis
+
+        client = redis.Redis.from_url(self.redis.url)
+        key = f"{self.namespace}:soak:kill_after_commit"
+        logged = {replica.index: replica.log.stat().st_size for replica in self.replicas}
+        try:
+            client.set(key, "1")
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                dead = next((r for r in self.replicas if r.process is not None and r.process.poll() is not None), None)
+                if dead is not None:
+                    with open(dead.log, "rb") as log:
+                        log.seek(logged[dead.index])
+                        killed = b"exited unexpectedly (code -9)" in log.read()
+                    dead.start()
+                    if not killed:
+                        return f"replica {dead.index} exited for another reason; restarted"
+                    self.kills_after_commit += 1
+                    return f"replica {dead.index} killed itself after an inbox commit, restarted"
+                time.sleep(0.1)
+            client.delete(key)
+            return "no audit run committed in time; disarmed"
+        except redis.RedisError as exc:
+            return f"could not arm it: {exc}"
+        finally:
+            client.close()
 
     def _load(self) -> None:
         from sqlalchemy.orm import Session
@@ -373,6 +419,12 @@ class Soak:
             "stuck_by_queue": stuck,
             "lost_orders": diagnosis,
             "duplicate_effects": duplicates,
+            "kills_after_commit": self.kills_after_commit,
+            "inbox_duplicates_prevented": sum(
+                replica.log.read_text(errors="replace").count("task skipped: already applied (inbox)")
+                for replica in self.replicas
+                if replica.log.exists()
+            ),
             "ticks": {entry: len(runs) for entry, runs in tick_runs.items()},
             "ticks_missed": sum(abs(n) for n in missed.values()),
             "ticks_missed_by_entry": missed,

@@ -5,7 +5,12 @@ plus what the soak needs to keep score, in PostgreSQL and idempotent the way the
 shop's own listeners are (see :mod:`benchmarks.soak_tables`):
 
 * ``audit``, a second listener of ``OrderPlaced`` that fails half its attempts
-  (``SOAK_FLAKY``) and records its effect under the envelope id, counting runs;
+  (``SOAK_FLAKY``) and records its effect under the envelope id, counting runs,
+  in its inbox transaction (``inbox=``): a run the inbox let through twice shows;
+* the fault the driver aims between an inbox commit and its ack: when the key
+  ``<namespace>:soak:kill_after_commit`` exists, the first worker whose ``audit``
+  run has just committed deletes it and SIGKILLs itself, from
+  ``after_process_message`` (before the ack is handed to the settler);
 * ``soak.tick``, an ``@every 1s`` job, and ``soak.beat``, an ``@every 1s`` event
   with one listener, each recording its runs under the tick, so a tick missed or
   run twice shows up.
@@ -15,9 +20,15 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
+import sqlalchemy as sa
+from dramatiq import Broker, Middleware
+from dramatiq.broker import MessageProxy
 from sqlalchemy.dialects.postgresql import insert
 
 import dramatiq_gp as gp
@@ -36,13 +47,32 @@ class Beat:
     """Fired every second by the schedule."""
 
 
-def record_audit(event: OrderPlaced) -> None:
+AUDIT = "listener:shop.order_placed:audit"
+#: Set by ``record_audit`` once its write is done: this attempt applied the effect (it commits unless it raises).
+_applied = threading.local()
+
+
+def record_audit(event: OrderPlaced, conn: sa.Connection) -> None:
     if random.random() < FLAKY:
         raise RuntimeError("the audit service is having a bad day")
     envelope_id = gp.current_envelope().id
-    with deps.engine.begin() as conn:
-        statement = insert(audit).values(envelope_id=envelope_id, order_id=event.order_id)
-        conn.execute(statement.on_conflict_do_update(index_elements=["envelope_id"], set_={"runs": audit.c.runs + 1}))
+    statement = insert(audit).values(envelope_id=envelope_id, order_id=event.order_id)
+    conn.execute(statement.on_conflict_do_update(index_elements=["envelope_id"], set_={"runs": audit.c.runs + 1}))
+    _applied.done = True
+
+
+class KillAfterInboxCommit(Middleware):
+    """SIGKILLs this worker process right after an ``audit`` inbox commit, when the driver asks for it."""
+
+    def after_process_message(
+        self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        applied, _applied.done = getattr(_applied, "done", False), False
+        if message.actor_name != AUDIT or exception is not None or not applied:
+            return  # not a committed audit run (a failure, or a copy the inbox skipped)
+        kit_broker: Any = broker
+        if kit_broker.client.delete(f"{kit_broker.namespace}:soak:kill_after_commit"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def record_tick(entry: str, scheduled_at: datetime) -> None:
@@ -64,11 +94,13 @@ def record_beat(event: Beat) -> None:
 def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
     listeners.register(registry, deps)
     jobs.register(schedule, deps)
-    registry.listen(OrderPlaced, record_audit, name="audit")
+    registry.listen(OrderPlaced, record_audit, name="audit", inbox=deps.engine)
     registry.listen(Beat, record_beat, name="record_beat")
     schedule.job("soak.tick", "@every 1s", run_tick)
     schedule.every(timedelta(seconds=1), Beat(), name="soak.beat")
 
 
-kit = gp.Kit(register, engine=deps.engine).with_closer("database", deps.engine.dispose)
+kit = gp.Kit(register, engine=deps.engine, middleware=[KillAfterInboxCommit()]).with_closer(
+    "database", deps.engine.dispose
+)
 broker = kit.broker

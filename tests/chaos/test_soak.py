@@ -22,6 +22,9 @@ def test_the_shop_keeps_every_promise_through_faults(tmp_path: Path) -> None:
     assert result["faults_injected"] >= 7, result
     assert result["orders"] > 0, result
     assert (result["lost"], result["duplicate_effects"]) == (0, 0), result
+    # Workers killed between an inbox commit and the ack: each left a copy that the inbox skipped.
+    assert result["kills_after_commit"] >= 1, result
+    assert result["inbox_duplicates_prevented"] >= result["kills_after_commit"], result
     assert set(result["ticks"]) == {"soak.tick", "soak.beat"}, result  # the job and the event entry both ran
     assert (result["ticks_missed"], result["ticks_duplicated"]) == (0, 0), result
     assert (result["stuck_messages"], result["outbox_pending"], result["dead_letters"]) == (0, 0, 0), result
