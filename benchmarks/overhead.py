@@ -19,6 +19,12 @@ nothing in the worker, and watches the queue drain from outside. Variants:
   which the inbox makes redundant; ``db_listener`` and the inbox variants count
   their rows at the end (one per message, or the run fails). Their CPU is the
   worker's only, as for every variant: PostgreSQL's own work is not in it;
+* ``sync_io`` and ``async_io``: a listener waiting 50 ms on I/O, a plain function
+  in ``time.sleep`` against an ``async def`` one in ``asyncio.sleep``, at
+  ``--threads`` and again at each of ``--io-threads`` (default 64) worker threads,
+  with ``--io-messages`` (default 40) messages per thread. Their figure is msg/s
+  (and RSS), not CPU: Dramatiq's worker thread waits for its coroutine
+  (``async_to_sync``), so the async form runs as many at once as there are threads;
 * ``traced``: ``kit`` with telemetry on: each message's producer and consumer
   spans go through a batch span processor to an exporter that discards them,
   and Sentry is initialised with its DSN at a local endpoint (per-message
@@ -66,7 +72,7 @@ from typing import IO
 import redis
 
 from benchmarks.outbox_common import scratch_database
-from benchmarks.overhead_worker import DB_VARIANTS, DRAMATIQ_VARIANTS, PEERS, outstanding_keys
+from benchmarks.overhead_worker import DB_VARIANTS, DRAMATIQ_VARIANTS, IO_VARIANTS, PEERS, outstanding_keys
 from devtools.services import services
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,6 +245,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sweep-messages", type=int, default=10_000)
     parser.add_argument("--sweep-rounds", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
+    parser.add_argument("--io-threads", default="64", help="the I/O variants' other thread counts")
+    parser.add_argument("--io-messages", type=int, default=40, help="the I/O variants' messages per worker thread")
     parser.add_argument("--peers", action="store_true", help="also run Celery (threads) and arq")
     parser.add_argument("--peers-venv", type=Path, default=Path(tempfile.gettempdir()) / "dramatiq-gp-bench-peers")
     parser.add_argument("--core", type=int, help="the core the workers run on (default: the last one available)")
@@ -292,12 +300,22 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
         prefetch = args.prefetch
     print(f"every variant at prefetch {prefetch}", flush=True)
 
-    results: dict[str, list[Run]] = {v: [] for v in variants}
+    # (label, variant, threads, messages): the I/O variants again at each of --io-threads, labelled with it.
+    plan = []
+    for variant in variants:
+        if variant not in IO_VARIANTS:
+            plan.append((variant, variant, args.threads, args.messages))
+            continue
+        for n, threads in enumerate([args.threads, *(int(t) for t in args.io_threads.split(",") if t)]):
+            plan.append((f"{variant}_{threads}" if n else variant, variant, threads, threads * args.io_messages))
+    results: dict[str, list[Run]] = {label: [] for label, *_ in plan}
     for round_ in range(1, args.rounds + 1):
-        for variant in variants:
-            run = run_one(variant, messages=args.messages, prefetch=prefetch, python=python[variant], **common)
-            results[variant].append(run)
-            print(_line(f"round {round_} {variant:>14}", run), flush=True)
+        for label, variant, threads, messages in plan:
+            run = run_one(
+                variant, messages=messages, prefetch=prefetch, python=python[variant], **{**common, "threads": threads}
+            )
+            results[label].append(run)
+            print(_line(f"round {round_} {label:>14}", run), flush=True)
 
     medians = {v: _median(runs) for v, runs in results.items()}
     for variant, run in medians.items():
@@ -319,6 +337,9 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
         ):
             if base in medians:
                 summary[key] = round(medians["inbox"].cpu_us_per_msg - medians[base].cpu_us_per_msg)
+    for label in medians:  # async against sync, at the same thread count
+        if label.startswith("async_io") and (sync := "sync" + label.removeprefix("async")) in medians:
+            summary[f"{label}_ratio"] = round(medians[label].msgs_per_s / medians[sync].msgs_per_s, 3)
     summary.update(bare_prefetch=prefetch, rounds=args.rounds, messages=args.messages, threads=args.threads)
 
     print("medians:")

@@ -21,7 +21,12 @@ import tempfile
 import uuid
 from typing import Any
 
-DRAMATIQ_VARIANTS = ("bare", "kit", "kit_quiet", "listener", "db_listener", "inbox", "inbox_noclaim", "traced")
+DRAMATIQ_VARIANTS = (
+    "bare", "kit", "kit_quiet", "listener", "db_listener", "inbox", "inbox_noclaim", "traced", "sync_io", "async_io",
+)  # fmt: skip
+#: The listeners that wait on I/O (50 ms): ``time.sleep`` in a plain one, ``asyncio.sleep`` in an ``async def`` one.
+IO_VARIANTS = ("sync_io", "async_io")
+IO_WAIT_S = 0.05
 #: The variants whose listener writes a row to PostgreSQL (given with ``--db-url``).
 DB_VARIANTS = ("db_listener", "inbox", "inbox_noclaim")
 #: The table those listeners write one row per message to.
@@ -142,7 +147,7 @@ def run_dramatiq(
     def noop(n: int) -> None:
         pass
 
-    if variant == "listener" or variant in DB_VARIANTS:
+    if variant == "listener" or variant in DB_VARIANTS or variant in IO_VARIANTS:
         from dataclasses import dataclass
 
         @gp.event("benchmarks.overhead.tick")
@@ -152,6 +157,20 @@ def run_dramatiq(
 
         if variant == "listener":
             kit.registry.listen(Tick, lambda event: None, name="noop", queue=QUEUE)
+        elif variant == "sync_io":
+            import time
+
+            def wait_sync(event: Tick) -> None:
+                time.sleep(IO_WAIT_S)
+
+            kit.registry.listen(Tick, wait_sync, name="wait", queue=QUEUE)
+        elif variant == "async_io":
+            import asyncio
+
+            async def wait_async(event: Tick) -> None:
+                await asyncio.sleep(IO_WAIT_S)
+
+            kit.registry.listen(Tick, wait_async, name="wait", queue=QUEUE)
         else:
             # One row per message: in a transaction of its own, or in the inbox's (with or without the Redis claim).
             import sqlalchemy as sa
