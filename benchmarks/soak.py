@@ -9,7 +9,7 @@ SIGTERM restart of every replica, a Redis restart, a PostgreSQL restart, the
 leader's replica paused with SIGSTOP past the lease TTL, a poison outbox event,
 and garbage pushed into a queue (bytes, JSON of the wrong shape, 100 kB, a task
 type no worker knows); a listener (``audit``) fails half its attempts throughout.
-Apart from that rotation, six times a run (every tenth of it, from 45 s), a worker
+Apart from that rotation, six times a run (every sixth of it, from 45 s), a worker
 is killed between an inbox commit and its ack: the next ``audit`` run to commit
 SIGKILLs its own process before acking (``kill_after_commit``), and its replica is
 started again.
