@@ -27,6 +27,7 @@ Instrument                          Kind       Attributes
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -92,9 +93,16 @@ def instruments() -> Instruments:
 
 
 def observe(name: str, unit: str, description: str, read: Callable[[], Iterable[Observation]]) -> None:
-    """Register a gauge whose value ``read`` returns at each collection."""
+    """Register a gauge whose value the bound method ``read`` returns at each collection.
+
+    The meter outlives its owner (a relay or a scheduler built and dropped, as tests and
+    embedding applications do), so it holds ``read`` weakly: a gauge must not keep a
+    dropped relay's engine alive, to be collected later with its connections still open.
+    """
+    method = weakref.WeakMethod(read)
 
     def callback(options: CallbackOptions) -> Iterable[Observation]:
-        return read()
+        bound = method()
+        return bound() if bound is not None else ()
 
     meter().create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)

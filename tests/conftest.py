@@ -105,6 +105,8 @@ def make_kit(clean_env: pytest.MonkeyPatch, namespace: str) -> Iterator[MakeKit]
     yield make
     for kit in kits:
         kit.broker.client.close()
+        if kit.engine is not None:
+            kit.engine.dispose()
 
 
 @pytest.fixture

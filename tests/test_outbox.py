@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ from sqlalchemy.orm import Session
 
 import dramatiq_gp as gp
 from dramatiq_gp.outbox import OUTBOX_EVENTS
+from dramatiq_gp.outbox.relay import Relay
 from helpers import wait_for
 
 T = OUTBOX_EVENTS.c
@@ -212,6 +215,28 @@ def test_the_relay_thread_delivers_with_and_without_notify(notify, outbox_kit, e
         kit.relay.stop()
         kit.relay.close()
     assert latency < (0.1 if notify == "true" else 1.0)
+
+
+def test_the_backlog_gauges_read_only_while_the_relay_runs_and_hold_no_dropped_relay(outbox_kit, engine):
+    # The meter outlives relays; a gauge that kept one alive, or read through its engine
+    # after the closers disposed it, left a connection open until the garbage collector
+    # found it (a ResourceWarning in whatever test ran then).
+    kit = outbox_kit()
+    relay = kit.relay
+    with engine.begin() as conn:
+        gp.dispatch(conn, Paid(1))
+    assert relay._observe_backlog() == []  # not started
+    relay.start()
+    try:
+        assert [o.value for o in relay._observe_backlog()] in ([1], [0])
+    finally:
+        relay.stop()
+        relay.close()
+    assert relay._observe_backlog() == relay._observe_oldest_age() == []
+
+    dropped = weakref.ref(Relay(engine=engine, broker=kit.broker, settings=kit.settings.outbox))
+    gc.collect()
+    assert dropped() is None
 
 
 def test_retention_zero_deletes_rows_as_they_are_published(outbox_kit, engine, rdb, namespace):

@@ -108,14 +108,9 @@ class Relay:
                                 resolve_inbox_retention(WorkerSettings(), settings).inbox_retention)  # fmt: skip
         self._published = instruments().outbox_published
         self._backlog: tuple[float, int, float] = (0.0, 0, 0.0)  # read at, pending, oldest age
-        observe(
-            "dramatiq_gp.outbox.backlog",
-            "{event}",
-            "Outbox rows not yet relayed",
-            lambda: [Observation(self._read_backlog()[0])],
-        )
+        observe("dramatiq_gp.outbox.backlog", "{event}", "Outbox rows not yet relayed", self._observe_backlog)
         observe("dramatiq_gp.outbox.oldest_age", "s", "Age of the oldest outbox row not yet relayed",
-                lambda: [Observation(self._read_backlog()[1])])  # fmt: skip
+                self._observe_oldest_age)  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -227,7 +222,19 @@ class Relay:
         count, age = backlog(self.engine)
         return count, age or 0.0
 
-    def _read_backlog(self) -> tuple[int, float]:
+    def _observe_backlog(self) -> list[Observation]:
+        read = self._read_backlog()
+        return [] if read is None else [Observation(read[0])]
+
+    def _observe_oldest_age(self) -> list[Observation]:
+        read = self._read_backlog()
+        return [] if read is None else [Observation(read[1])]
+
+    def _read_backlog(self) -> tuple[int, float] | None:
+        # Only while the relay runs: once stopped, its engine may be disposed, and a
+        # collection must not open a new pool on it that nothing would close.
+        if self._thread is None or self._stopping.is_set():
+            return None
         # Both gauges are read in one collection: one query serves them.
         read_at, count, age = self._backlog
         if time.monotonic() - read_at > 1.0:

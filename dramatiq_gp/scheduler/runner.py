@@ -124,8 +124,12 @@ class Runner:
         )
         self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
         self._declare_actors()
+        self._namespace = namespace
         observe("dramatiq_gp.scheduler.leader", "1", "1 in the process that holds the scheduler lease, else 0",
-                lambda: [Observation(1 if self.lease.is_held() else 0, {"namespace": namespace})])  # fmt: skip
+                self._observe_leader)  # fmt: skip
+
+    def _observe_leader(self) -> list[Observation]:
+        return [Observation(1 if self.lease.is_held() else 0, {"namespace": self._namespace})]
 
     # -- lifecycle -----------------------------------------------------------------
 
