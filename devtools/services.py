@@ -132,9 +132,18 @@ def _runs(user: str, *command: str) -> bool:
         return False
 
 
+@functools.cache
+def _postgres_user() -> str:
+    """:data:`PG_USER`, created on first use (a fresh machine has no such user yet)."""
+    from pgserver.utils import ensure_user_exists  # type: ignore[import-untyped]
+
+    ensure_user_exists(PG_USER)
+    return PG_USER
+
+
 def postgres_can_reach(directory: Path) -> bool:
     """Whether PostgreSQL, run as :func:`postgres_programs` runs it, can reach ``directory``."""
-    return os.geteuid() != 0 or _runs(PG_USER, "test", "-x", str(directory))
+    return os.geteuid() != 0 or _runs(_postgres_user(), "test", "-x", str(directory))
 
 
 def _shared_temp() -> Path:
@@ -162,10 +171,7 @@ def postgres_programs() -> tuple[Path, str | None]:
     programs = Path(POSTGRES_BIN_PATH)
     if os.geteuid() != 0:
         return programs, None
-    from pgserver.utils import ensure_user_exists  # type: ignore[import-untyped]
-
-    ensure_user_exists(PG_USER)
-    if _runs(PG_USER, str(programs / "initdb"), "--version"):
+    if _runs(_postgres_user(), str(programs / "initdb"), "--version"):
         return programs, PG_USER
     package = programs.parent.parent
     copy = _shared_temp() / f"dramatiq-gp-pgserver-{version('pgserver')}"
