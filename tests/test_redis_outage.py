@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import queue
 import threading
 import time
 
 import dramatiq
 import pytest
+import redis
+from dramatiq.worker import ConsumerThread
 
 import dramatiq_gp as gp
 from helpers import wait_for
@@ -99,3 +103,50 @@ def test_a_retry_goes_out_with_the_ack_and_not_with_a_put_back(command, ready, d
     consumer.close()
     assert (rdb.llen(f"{namespace}:default"), rdb.hlen(f"{namespace}:default.DQ.msgs")) == (ready, delayed)
     assert rdb.llen(f"{namespace}:default.DQ") == delayed
+
+
+def test_a_delay_consumer_whose_due_message_cannot_be_enqueued_survives_and_loses_nothing(
+    tmp_path, make_kit, monkeypatch, caplog
+):
+    # Redis went away between a fetch and a due message's move to its queue. Dramatiq took
+    # the redis error for an unexpected one, its clean-up failed the same way putting back
+    # the other delayed messages, and the consumer thread ended: in the soak, a Redis
+    # restart left delayed retries in a live worker's unsettled set for good.
+    monkeypatch.setattr(dramatiq.worker, "CONSUMER_RESTART_DELAY_SECS", 0.05)
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    thread = None
+    try:
+        kit = make_kit(env={"REDIS_URL": server.url})
+        ns = kit.broker.namespace
+
+        @dramatiq.actor(broker=kit.broker, actor_name="later")
+        def later(n: int) -> None: ...
+
+        later.send_with_options(args=(1,), delay=1_500)
+        later.send_with_options(args=(2,), delay=600_000)
+        # Two held with prefetch 2: the consumer waits for room and makes no Redis call, so
+        # the first thing to meet the outage is the due message's enqueue.
+        thread = ConsumerThread(
+            broker=kit.broker, queue_name="default.DQ", prefetch=2, work_queue=queue.PriorityQueue(), worker_timeout=100
+        )
+        thread.start()
+        wait_for(lambda: thread.delay_queue.qsize() == 2)
+        server.stop()
+        time.sleep(2.0)  # the first falls due while Redis is away
+        server.start()
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        try:
+            wait_for(lambda: client.llen(f"{ns}:default") == 1, timeout=15)
+            assert thread.is_alive()
+            due = json.loads(client.hget(f"{ns}:default.msgs", client.lindex(f"{ns}:default", 0)))
+            assert due["args"] == [1]
+            wait_for(lambda: thread.delay_queue.qsize() == 1)  # the other, fetched again, waits its turn
+        finally:
+            client.close()
+        assert not [r for r in caplog.records if "unexpected error" in r.getMessage()]
+    finally:
+        if thread is not None:
+            thread.stop()
+            thread.join(5)
+        server.stop()

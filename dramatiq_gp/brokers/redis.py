@@ -50,8 +50,10 @@ The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
    :class:`~dramatiq_gp.WeightedQueue`), ``_WorkQueueItem``, ``workers``,
    ``consumers`` and their ``prefetch``, ``_add_worker()``, and ``stop`` (rebound
    by :class:`~dramatiq_gp.Lifecycle` for ``WORKER_SHUTDOWN_TIMEOUT``);
-6. ``ConsumerThread`` dropping its delayed messages on a connection error, and
-   ``post_process_message`` retrying a settlement until Redis answers;
+6. ``ConsumerThread`` dropping its delayed messages on a connection error (and
+   ending when its clean-up after any other error raises), its own thread being
+   the one that enqueues a due delayed message, and ``post_process_message``
+   retrying a settlement until Redis answers;
 7. the text of Dramatiq's per-task log lines (replaced by
    :class:`~dramatiq_gp.TaskLog`, or stripped of arguments by the log filter);
 8. the ``dramatiq`` command: ``worker_process`` on the stack while a worker
@@ -84,6 +86,7 @@ from dramatiq.brokers.redis import _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis, dq_name, q_name
 from dramatiq.errors import ConnectionClosed, DecodeError, QueueJoinTimeout
 from dramatiq.middleware import MiddlewareError
+from dramatiq.worker import ConsumerThread
 
 from .. import keys
 from ..durations import format_duration
@@ -260,6 +263,15 @@ class RedisBroker(DramatiqRedisBroker):
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         try:
             return super().enqueue(message, delay=delay)
+        except redis.ConnectionError as exc:
+            self.send_failed(message, exc)
+            if isinstance(threading.current_thread(), ConsumerThread):
+                # A due delayed message, moved to its queue by Dramatiq's consumer thread. That
+                # thread recovers from a BrokerConnectionError (its delayed messages, dropped, are
+                # put back by the next consumer) but calls anything else unexpected, and its
+                # clean-up then puts them back itself, fails the same way and ends the thread.
+                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+            raise
         except BaseException as exc:
             self.send_failed(message, exc)
             raise
@@ -625,7 +637,13 @@ class _Consumer(_RedisConsumer):
                 plain.append(message)
             else:
                 self.broker.settle(self.queue_name, message, "requeue")
-        super().requeue(plain)  # type: ignore[no-untyped-call]
+        try:
+            super().requeue(plain)  # type: ignore[no-untyped-call]
+        except redis.ConnectionError as exc:
+            # Dramatiq's consumer thread closes its consumer after any error, putting back its
+            # delayed messages here, and survives only a BrokerConnectionError; those messages
+            # stay in this process's unsettled set, and the next delay-queue consumer puts them back.
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
     def _post(self, message: MessageProxy, command: str) -> None:
         try:
