@@ -1,0 +1,150 @@
+"""The kit's RabbitMQ broker against the real local RabbitMQ (skipped, in one line, without one)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import dramatiq
+import pika
+import pika.exceptions
+import pytest
+from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL
+from dramatiq.common import dq_name, xq_name
+
+import dramatiq_gp as gp
+from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
+from helpers import wait_for
+
+URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+
+
+def _reachable(url: str) -> bool:
+    parts = urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _reachable(URL), reason=f"no RabbitMQ at {urlsplit(URL).netloc.split('@')[-1]}")
+
+
+@pytest.fixture
+def queue_name() -> Iterator[str]:
+    """A queue of this test's own; it, its delay queue and its dead-letter queue are deleted afterwards."""
+    name = f"gp-test-{uuid.uuid4().hex[:8]}"
+    yield name
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        channel = connection.channel()
+        for queue in (name, dq_name(name), xq_name(name)):
+            channel.queue_delete(queue)
+    finally:
+        connection.close()
+
+
+@pytest.fixture
+def make_broker() -> Iterator[Any]:
+    brokers: list[RabbitmqBroker] = []
+
+    def make(**options: Any) -> RabbitmqBroker:
+        options.setdefault("middleware", [])
+        broker = RabbitmqBroker(url=URL, **options)
+        brokers.append(broker)
+        return broker
+
+    yield make
+    for broker in brokers:
+        broker.close()
+
+
+def _is_quorum(queue: str, arguments: dict[str, Any]) -> bool:
+    """Whether ``queue`` is a quorum queue: re-declaring it with ``arguments`` as one is refused otherwise."""
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        connection.channel().queue_declare(queue=queue, durable=True, arguments={**arguments, "x-queue-type": "quorum"})
+        return True
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 406 and "x-queue-type" in exc.reply_text, exc
+        return False
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_each_queue_delay_queue_and_dead_letter_queue_is_of_the_brokers_type(queue_type, make_broker, queue_name):
+    broker = make_broker(queue_type=queue_type)
+    broker.declare_queue(queue_name, ensure=True)
+    dead_letters = {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": xq_name(queue_name)}
+    found = [
+        _is_quorum(queue_name, dead_letters),
+        _is_quorum(dq_name(queue_name), dead_letters),
+        _is_quorum(xq_name(queue_name), {"x-message-ttl": DEAD_MESSAGE_TTL}),
+    ]
+    assert found == [queue_type == "quorum"] * 3
+
+
+def test_a_message_sent_with_a_confirm_runs_in_a_worker_and_is_acked(make_broker, queue_name):
+    broker = make_broker()
+    ran = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.probe")
+    def probe(n: int) -> None:
+        assert n == 7
+        ran.set()
+
+    probe.send(7)
+    assert broker.get_queue_message_counts(queue_name)[0] == 1
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        assert ran.wait(10)
+        wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 0))
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"queue_type": "mirrored"}, "queue_type 'mirrored': expected one of quorum, classic"),
+        ({"max_priority": 10}, "max_priority needs queue_type='classic': quorum queues refuse x-max-priority"),
+    ],
+)
+def test_a_queue_type_it_cannot_declare_is_refused_in_one_line(options, error):
+    with pytest.raises(gp.ConfigError) as raised:
+        RabbitmqBroker(url=URL, middleware=[], **options)
+    assert str(raised.value) == error
+
+
+def test_an_ack_from_a_closed_channel_never_lands_on_the_message_with_its_tag_on_the_new_one(
+    make_broker, queue_name, caplog
+):
+    # Delivery tags restart at 1 on every channel. Dramatiq acks through the consumer its
+    # queue has now, so after a reconnect the old channel's tag 1 named another message,
+    # which was acked without having run.
+    broker = make_broker()
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.probe")
+    def probe(n: int) -> None: ...
+
+    for n in range(3):
+        probe.send(n)
+    first = broker.consume(queue_name, prefetch=1, timeout=1000)
+    stale = next(m for m in first if m is not None)
+    first.close()  # the connection drops: RabbitMQ puts the message back
+    second = broker.consume(queue_name, prefetch=3, timeout=1000)
+    fetched = [next(m for m in second if m is not None) for _ in range(3)]
+    assert stale._tag in {m._tag for m in fetched}  # the same number now names one of these
+    second.ack(stale)
+    second.close()
+    wait_for(lambda: broker.get_queue_message_counts(queue_name)[0] == 3)  # none acked: none ran
+    assert "the channel that delivered it has closed" in caplog.text
