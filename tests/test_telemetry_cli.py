@@ -393,6 +393,12 @@ def test_the_outbox_backlog_gauge_reads_pending_rows(engine, database_url, clean
     clean_env.setenv("DB_URL", database_url)
     clean_env.setenv("OUTBOX_RELAY", "true")
     kit = gp.Kit(registry=gp.Registry())
-    assert kit.relay is not None
-    count, age = kit.relay.backlog()
+    try:
+        assert kit.relay is not None
+        count, age = kit.relay.backlog()
+    finally:
+        # The kit's own engine (from DB_URL); a worker's closers would dispose it.
+        assert kit.engine is not None
+        kit.engine.dispose()
+        kit.broker.client.close()
     assert count == 3 and 89 < age < 120
