@@ -14,10 +14,12 @@ import dramatiq
 import pika
 import pika.exceptions
 import pytest
+import redis
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL
 from dramatiq.common import dq_name, xq_name
 
 import dramatiq_gp as gp
+from dramatiq_gp import keys
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
 from helpers import wait_for
 
@@ -148,3 +150,37 @@ def test_an_ack_from_a_closed_channel_never_lands_on_the_message_with_its_tag_on
     second.close()
     wait_for(lambda: broker.get_queue_message_counts(queue_name)[0] == 3)  # none acked: none ran
     assert "the channel that delivered it has closed" in caplog.text
+
+
+def test_a_failed_idempotent_attempt_is_retried_through_the_delay_queue_and_a_copy_is_skipped(
+    make_broker, queue_name, redis_url, namespace, caplog
+):
+    # The kit's Retries and Idempotency on RabbitMQ: the retry copy is published (and
+    # confirmed) before the failed attempt is acked, the done mark written before the
+    # second attempt's ack, and a later copy of the message skipped.
+    broker = make_broker(
+        client=redis.Redis.from_url(redis_url),
+        namespace=namespace,
+        middleware=[gp.IdempotentExecution(), gp.Retries(min_backoff=200, max_backoff=200)],
+    )
+    attempts: list[int] = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.flaky", idempotent=True)
+    def flaky() -> None:
+        attempts.append(len(attempts) + 1)
+        if len(attempts) == 1:
+            raise RuntimeError("the first attempt fails")
+
+    message = flaky.send()
+    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: attempts == [1, 2], timeout=15)
+        wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 0))
+        broker.enqueue(message)  # the same message again, as a redelivery would bring it
+        wait_for(lambda: "already completed" in caplog.text, timeout=10)
+        wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 0))
+    finally:
+        worker.stop()
+    assert attempts == [1, 2]
+    assert broker.client.get(keys.done_prefix(namespace) + message.message_id) == b"done"

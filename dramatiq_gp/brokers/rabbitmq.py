@@ -18,6 +18,13 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   RabbitMQ put the old channel's unacked messages back when it closed, so
   there is nothing left to settle for them.
 
+* It is a :class:`~dramatiq_gp.brokers.base.KitBroker`: ``client`` is the Redis/Valkey
+  beside it for the coordination state (idempotency claims and done marks). A
+  message is settled in this order: a retry's or deferral's copy is published to
+  the delay queue and confirmed, then the idempotency outcome is written to
+  Redis (``rabbitmq/record.lua``), then the message is acked. A crash in between
+  leaves the message unacked, so it comes back: at least once, never lost.
+
 The Dramatiq internals relied on (Dramatiq 2.2, pinned by
 ``tests/test_rabbitmq.py``): ``RabbitmqBroker._build_queue_arguments`` and
 ``_declare_xq_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its constructor,
@@ -29,24 +36,38 @@ consumer its queue has *now* (``Worker.consumers[queue].consumer``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
+import pika
+import pika.exceptions
+import redis
+from dramatiq import Message
+from dramatiq.broker import MessageProxy
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, _RabbitmqConsumer
 from dramatiq.brokers.rabbitmq import RabbitmqBroker as DramatiqRabbitmqBroker
-from dramatiq.common import xq_name
+from dramatiq.common import current_millis, dq_name, q_name, xq_name
+from dramatiq.errors import ConnectionClosed
 
 from ..errors import ConfigError
+from ..lua import scripts
+from .base import KitBroker, Settlement, attach_settlement, settlement
 
 logger = logging.getLogger(__name__)
+
+_SCRIPTS = scripts(__file__)
 
 QueueType = Literal["quorum", "classic"]
 QUEUE_TYPES: tuple[QueueType, ...] = ("quorum", "classic")
 
 
-class RabbitmqBroker(DramatiqRabbitmqBroker):
+class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     """Dramatiq's RabbitMQ broker with quorum queues and publisher confirms by default.
 
     Parameters:
+        client: the coordination Redis/Valkey (default: one on 127.0.0.1:6379).
+        namespace: the prefix of the kit's keys in it.
         queue_type: ``"quorum"`` (replicated; the default) or ``"classic"``.
         confirm_delivery: wait for RabbitMQ's confirm of every send (default on).
         **options: :class:`dramatiq.brokers.rabbitmq.RabbitmqBroker`'s (``url``,
@@ -56,13 +77,99 @@ class RabbitmqBroker(DramatiqRabbitmqBroker):
         ConfigError: an unknown ``queue_type``, or ``max_priority`` with quorum queues.
     """
 
-    def __init__(self, *, queue_type: str = "quorum", confirm_delivery: bool = True, **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        client: redis.Redis | None = None,
+        namespace: str = "dramatiq",
+        queue_type: str = "quorum",
+        confirm_delivery: bool = True,
+        **options: Any,
+    ) -> None:
         if queue_type not in QUEUE_TYPES:
             raise ConfigError(f"queue_type {queue_type!r}: expected one of {', '.join(QUEUE_TYPES)}")
         if queue_type == "quorum" and options.get("max_priority") is not None:
             raise ConfigError("max_priority needs queue_type='classic': quorum queues refuse x-max-priority")
         super().__init__(confirm_delivery=confirm_delivery, **options)
         self.queue_type: QueueType = queue_type
+        self.client = client if client is not None else redis.Redis()
+        self.namespace = namespace
+        self._record = self.client.register_script(_SCRIPTS["record"])
+
+    def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
+        """Enqueue ``messages`` one by one, each confirmed by RabbitMQ before the next."""
+        return [self.enqueue(message) for message in messages]
+
+    def redeliver_later(self, message: MessageProxy, delay_ms: int, **options: Any) -> None:
+        """Publish a copy of ``message`` (with ``options``) to its delay queue when it is settled.
+
+        The copy is confirmed by RabbitMQ before the message is acked, so a crash in
+        between leaves both: the message runs again, and idempotent execution keeps
+        its two copies from both applying. ``before_enqueue`` is emitted now, so a
+        retry's send span is a child of the failed attempt's.
+        """
+        copy = message.copy(
+            queue_name=dq_name(q_name(message.queue_name)), options={**options, "eta": current_millis() + delay_ms}
+        )
+        self.emit_before("enqueue", copy, delay_ms)
+        plan = settlement(message)
+        if plan is None:
+            plan = Settlement()
+            attach_settlement(message, plan)
+        plan.redeliver, plan.delay_ms = copy, delay_ms
+
+    def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
+        """Ack, nack or requeue ``message``: its copy confirmed first, then its outcome recorded, then it.
+
+        Raises:
+            ConnectionClosed: RabbitMQ or Redis did not take a step; the message stays
+                unacked (Dramatiq tries again; a closed channel gives it back).
+        """
+        plan = settlement(message)
+        if plan is not None and plan.redeliver is not None:
+            copy, plan.redeliver = plan.redeliver, None  # a settle tried again does not send it twice
+            if command == "requeue":
+                self.send_failed(copy, None)  # put back as it was, it runs again itself
+            else:
+                self._publish(copy)
+                self.emit_after("enqueue", copy, plan.delay_ms)
+        if plan is not None and plan.key:
+            try:
+                self._record(keys=[plan.key], args=[plan.outcome, plan.token, plan.retention_ms])
+            except redis.ConnectionError as exc:
+                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        consumer: _Consumer | None = getattr(message, "_consumer", None)
+        if consumer is not None:
+            consumer.settle_on_channel(message, command)
+
+    def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
+        self.settle(queue_name, message, command)
+
+    def flush_settles(self, *, retry: bool = True) -> bool:
+        return True
+
+    def _publish(self, copy: Message[Any]) -> None:
+        """Publish an already announced ``copy`` on its queue, confirmed."""
+        try:
+            self.declare_queue(q_name(copy.queue_name), ensure=True)
+            self.channel.basic_publish(
+                exchange="",
+                routing_key=copy.queue_name,
+                body=copy.encode(),
+                properties=pika.BasicProperties(delivery_mode=2, priority=copy.options.get("broker_priority")),
+                mandatory=self.confirm_delivery,
+            )
+        except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
+            del self.connection  # the next caller opens new ones
+            self.send_failed(copy, exc)
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        except BaseException as exc:
+            self.send_failed(copy, exc)
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self.client.close()
 
     @property
     def consumer_class(self) -> type[_Consumer]:
@@ -83,7 +190,9 @@ class RabbitmqBroker(DramatiqRabbitmqBroker):
 
 
 class _Consumer(_RabbitmqConsumer):
-    """Dramatiq's RabbitMQ consumer; a message is settled only on the channel that delivered it."""
+    """Dramatiq's RabbitMQ consumer, settling through the broker, on the channel that delivered the message."""
+
+    broker: RabbitmqBroker
 
     def __next__(self) -> Any:
         message = super().__next__()  # type: ignore[no-untyped-call]
@@ -92,20 +201,28 @@ class _Consumer(_RabbitmqConsumer):
         return message
 
     def ack(self, message: Any) -> None:
-        if self._delivered(message):
-            super().ack(message)  # type: ignore[no-untyped-call]
+        self.broker.settle(self.queue_name, message, "ack")
 
     def nack(self, message: Any) -> None:
-        if self._delivered(message):
-            super().nack(message)  # type: ignore[no-untyped-call]
+        self.broker.settle(self.queue_name, message, "nack")
 
-    def _delivered(self, message: Any) -> bool:
-        if getattr(message, "_consumer", self) is self:
-            return True
-        # Its channel closed with the consumer that fetched it: RabbitMQ has put it back.
-        logger.warning(
-            "not settling message %s of queue %r: the channel that delivered it has closed, "
-            "so RabbitMQ has put it back and it will run again",
-            message.message_id, self.queue_name,
-        )  # fmt: skip
-        return False
+    def settle_on_channel(self, message: Any, command: str) -> None:
+        """Ack, nack (to the dead-letter queue) or put back ``message``, which this consumer delivered."""
+        if self.connection.is_closed:
+            # Its channel closed with it: RabbitMQ has put the message back.
+            logger.warning(
+                "not settling message %s of queue %r: the channel that delivered it has closed, "
+                "so RabbitMQ has put it back and it will run again",
+                message.message_id, self.queue_name,
+            )  # fmt: skip
+            return
+        if command == "ack":
+            super().ack(message)  # type: ignore[no-untyped-call]
+        elif command == "nack":
+            super().nack(message)  # type: ignore[no-untyped-call]
+        else:
+            try:
+                self.known_tags.discard(message._tag)
+                self.connection.add_callback_threadsafe(partial(self.channel.basic_nack, message._tag, requeue=True))
+            except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
+                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]

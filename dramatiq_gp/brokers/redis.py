@@ -73,9 +73,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 from uuid import uuid4
 
 import redis
@@ -85,13 +84,13 @@ from dramatiq.brokers.redis import RedisBroker as DramatiqRedisBroker
 from dramatiq.brokers.redis import _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis, dq_name, q_name
 from dramatiq.errors import ConnectionClosed, DecodeError, QueueJoinTimeout
-from dramatiq.middleware import MiddlewareError
 from dramatiq.worker import ConsumerThread
 
 from .. import keys
 from ..durations import format_duration
 from ..errors import BrokerMismatch
 from ..lua import scripts
+from .base import KitBroker, Settlement, attach_settlement, settlement
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
@@ -104,52 +103,12 @@ _SCRIPTS = scripts(__file__)
 #: Option on a dead-lettered copy saying why it is there.
 DEAD_LETTER_REASON = "gp_dead_letter_reason"
 
-SETTLEMENT_ATTR = "_gp_settlement"
-
 #: A message to settle: its queue (the consumer's, a delay queue for a delayed message), it, and the command.
 _Settle = tuple[str, MessageProxy, str]
 
 
-@dataclass(slots=True)
-class Settlement:
-    """What to write together with a message's ack, nack or requeue."""
-
-    #: Idempotency key and the token of this attempt's claim ("" if none).
-    key: str = ""
-    token: str = ""
-    #: ``"done"`` marks the id completed, ``"release"`` frees the claim.
-    outcome: str = ""
-    retention_ms: int = 0
-    #: A copy for the delay queue, already announced (``before_enqueue``), due after
-    #: ``delay_ms``: a retry or a deferral (see :meth:`RedisBroker.redeliver_later`).
-    redeliver: Message[Any] | None = None
-    delay_ms: int = 0
-
-
-def settlement(message: MessageProxy) -> Settlement | None:
-    return getattr(message, SETTLEMENT_ATTR, None)
-
-
-def attach_settlement(message: MessageProxy, value: Settlement) -> None:
-    setattr(message, SETTLEMENT_ATTR, value)
-
-
-class BrokerHooks(Protocol):
-    """What :class:`RedisBroker` calls on its middleware besides Dramatiq's hooks.
-
-    A middleware defines either method, or both; the broker calls each middleware
-    that has it, in list order.
-    """
-
-    def after_fetch(self, broker: RedisBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
-        """A consumer fetched ``messages`` (perhaps none) from ``queue_name``; no worker thread has them yet."""
-
-    def after_send_failed(self, broker: RedisBroker, message: Message[Any], error: BaseException | None) -> None:
-        """``message``, announced by ``before_enqueue``, was not sent; ``error`` says why when it failed."""
-
-
-def kit_broker(broker: Broker, middleware: Middleware) -> RedisBroker:
-    """``broker``, which ``middleware`` needs to be a :class:`RedisBroker`.
+def redis_broker(broker: Broker, middleware: Middleware) -> RedisBroker:
+    """``broker``, which ``middleware`` needs to be a :class:`RedisBroker` (it works on Redis's queue keys).
 
     Raises:
         BrokerMismatch: it is another broker; one line naming both.
@@ -163,7 +122,7 @@ def kit_broker(broker: Broker, middleware: Middleware) -> RedisBroker:
     return broker
 
 
-class RedisBroker(DramatiqRedisBroker):
+class RedisBroker(KitBroker, DramatiqRedisBroker):
     """Dramatiq's Redis broker with the kit's protocol (see the module docstring).
 
     Parameters:
@@ -198,50 +157,6 @@ class RedisBroker(DramatiqRedisBroker):
     @property
     def consumer_class(self) -> type[_Consumer]:
         return _Consumer
-
-    def hooks(self, name: str) -> list[Callable[..., Any]]:
-        """The middleware's ``name`` methods that do something, in list order.
-
-        Dramatiq's own ``emit_before``/``emit_after`` call every middleware's hook,
-        the base class's no-ops included, about seventeen calls per signal and half a
-        dozen signals per message. The methods that are more than that no-op are
-        found once (again when the list changes) and kept.
-        """
-        if self._hooks_for != len(self.middleware):
-            self._hook_cache, self._hooks_for = {}, len(self.middleware)
-        found = self._hook_cache.get(name)
-        if found is None:
-            found = self._hook_cache[name] = [
-                getattr(middleware, name)
-                for middleware in self.middleware
-                if name in vars(middleware)
-                or getattr(type(middleware), name, None) not in (None, getattr(Middleware, name, None))
-            ]
-        return found
-
-    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
-        """Dramatiq's ``emit_before``: each middleware's hook in list order; only a ``MiddlewareError`` gets out."""
-        name = "before_" + signal
-        for hook in self.hooks(name):
-            try:
-                hook(self, *args, **kwargs)
-            except MiddlewareError:
-                raise
-            except Exception:
-                self.logger.critical(
-                    "Unexpected failure in %s of %r.", name, getattr(hook, "__self__", hook), exc_info=True
-                )
-
-    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
-        """Dramatiq's ``emit_after``: each middleware's hook in reverse order; no exception gets out."""
-        name = "after_" + signal
-        for hook in reversed(self.hooks(name)):
-            try:
-                hook(self, *args, **kwargs)
-            except Exception:
-                self.logger.critical(
-                    "Unexpected failure in %s of %r.", name, getattr(hook, "__self__", hook), exc_info=True
-                )
 
     def join(self, queue_name: str, *, interval: int = 100, timeout: int | None = None) -> None:
         """Wait until ``queue_name`` and its delay queue hold nothing but held messages (tests only).
@@ -317,11 +232,6 @@ class RedisBroker(DramatiqRedisBroker):
         for message in prepared:
             self.emit_after("enqueue", message, None)
         return prepared
-
-    def send_failed(self, message: Message[Any], error: BaseException | None) -> None:
-        """Report that ``message``, announced by ``before_enqueue``, was not sent."""
-        for hook in self.hooks("after_send_failed"):
-            hook(self, message, error)
 
     def fetch(self, queue_name: str, prefetch: int, *, maintain: bool) -> list[bytes | None]:
         """Dramatiq's fetch; with ``maintain``, the queue's maintenance runs with it for sure.

@@ -40,7 +40,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
 from .. import keys
-from ..brokers.redis import RedisBroker, Settlement, attach_settlement, kit_broker, settlement
+from ..brokers.base import KitBroker, Settlement, attach_settlement, kit_broker, settlement
 from ..errors import one_line_at_start_up
 from ..lua import scripts
 
@@ -81,7 +81,7 @@ class IdempotentExecution(Middleware):
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         self.bind(kit_broker(broker, self))
 
-    def bind(self, broker: RedisBroker) -> None:
+    def bind(self, broker: KitBroker) -> None:
         """Keep the claims on ``broker``'s Redis, under its namespace."""
         self.key_prefix = keys.done_prefix(broker.namespace)
         self._claim = broker.client.register_script(_SCRIPTS["claim"])
@@ -95,7 +95,7 @@ class IdempotentExecution(Middleware):
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         self._stop.set()
 
-    def after_fetch(self, broker: RedisBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
+    def after_fetch(self, broker: KitBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
         """Claim the ids of the idempotent ones among ``messages`` in one round trip."""
         if queue_name.endswith(".DQ"):
             return  # delayed messages are only parked in the consumer; they are claimed when due

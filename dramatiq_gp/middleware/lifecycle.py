@@ -33,7 +33,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.cli import RET_CONNECT
 
 from ..aio import CANCEL_WAIT_S, cancel_coroutines
-from ..brokers.redis import RedisBroker
+from ..brokers.base import KitBroker
 from ..durations import format_duration
 from ..telemetry import Telemetry
 
@@ -70,8 +70,8 @@ class Lifecycle(Middleware):
     ``after_process_message`` and ``after_skip_message`` (what is in flight),
     ``before_worker_shutdown`` and ``after_worker_shutdown``. Works on any broker:
     the ping needs one with a Redis ``client``, and returning unfinished tasks at
-    once needs :class:`dramatiq_gp.RedisBroker` (elsewhere they come back after
-    the broker's own timeout).
+    once needs one of the kit's brokers (elsewhere they come back after the
+    broker's own timeout).
 
     Parameters:
         telemetry: started at process boot, flushed last at shutdown.
@@ -181,7 +181,7 @@ class Lifecycle(Middleware):
         if not unfinished:
             self.logger.info("shutdown: in-flight tasks drained")
             return
-        if not isinstance(broker, RedisBroker):
+        if not isinstance(broker, KitBroker):
             self.logger.warning(
                 "shutdown: %d task(s) still running at the drain timeout come back after %s's own timeout: %s",
                 len(unfinished), type(broker).__name__,

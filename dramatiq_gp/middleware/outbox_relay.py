@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from dramatiq import Broker, Middleware, Worker
 
-from ..brokers.redis import RedisBroker, kit_broker
+from ..brokers.redis import RedisBroker, redis_broker
 from ..errors import one_line_at_start_up
 from ..settings import OutboxSettings, Settings
 
@@ -54,7 +54,7 @@ class OutboxRelay(Middleware):
 
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        self.bind(kit_broker(broker, self))
+        self.bind(redis_broker(broker, self))
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         assert self.relay is not None

@@ -34,7 +34,8 @@ from dramatiq import Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 
-from ..brokers.redis import RedisBroker, kit_broker
+from ..brokers.base import KitBroker
+from ..brokers.redis import redis_broker
 from ..errors import one_line_at_start_up
 
 #: Prefetch per queue is this many messages per worker thread, times the queue's share.
@@ -157,7 +158,7 @@ class QueueWeights(Middleware):
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         if self.strict:
-            kit_broker(broker, self)
+            redis_broker(broker, self)
         consumed = {q for q in broker.get_declared_queues() if not q.endswith(".DQ")}
         if worker.consumer_whitelist:  # dramatiq --queues still decides what this process consumes
             consumed &= set(worker.consumer_whitelist)
@@ -175,7 +176,7 @@ class QueueWeights(Middleware):
         mode = "strict priority" if self.strict else "weighted"
         self.logger.info("start-up: queues %s (%s)", ", ".join(f"{q}:{w}" for q, w in weights.items()) or "none", mode)
 
-    def after_fetch(self, broker: RedisBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
+    def after_fetch(self, broker: KitBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
         if self.strict and self._work_queue is not None:
             self._work_queue.fetched(queue_name, len(messages))
 

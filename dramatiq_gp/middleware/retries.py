@@ -20,7 +20,7 @@ import dramatiq
 from dramatiq import Worker
 from dramatiq.broker import Broker, MessageProxy
 
-from ..brokers.redis import kit_broker
+from ..brokers.base import kit_broker
 from ..errors import one_line_at_start_up
 
 

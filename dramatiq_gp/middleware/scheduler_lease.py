@@ -7,7 +7,7 @@ import logging
 from dramatiq import Broker, Middleware, Worker
 from opentelemetry import trace
 
-from ..brokers.redis import RedisBroker, kit_broker
+from ..brokers.redis import RedisBroker, redis_broker
 from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
 from ..scheduler import Runner, Schedule, default_schedule
@@ -71,7 +71,7 @@ class SchedulerLease(Middleware):
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         if self.schedule:
-            self.bind(kit_broker(broker, self))
+            self.bind(redis_broker(broker, self))
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         if self.runner is not None:

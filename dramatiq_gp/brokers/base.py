@@ -1,0 +1,157 @@
+"""What the kit's middleware need of a broker, whatever holds the queues.
+
+:class:`KitBroker` is mixed into each of the kit's brokers, before Dramatiq's broker
+class it extends. Beyond Dramatiq's broker it offers:
+
+* ``client`` and ``namespace``: the Redis/Valkey that keeps the coordination state
+  (idempotency claims and done marks; on Redis also the queues themselves);
+* :meth:`~KitBroker.redeliver_later` and :meth:`~KitBroker.settle`: a message's
+  ack, nack or put-back together with what the kit records with it (its
+  :class:`Settlement`: the idempotency outcome and a retry's or deferral's copy),
+  so "acked" always implies "recorded" and a retry is never lost;
+* :meth:`~KitBroker.enqueue_many`, for the outbox relay;
+* the extra middleware hooks of :class:`BrokerHooks`, and ``emit_before`` /
+  ``emit_after`` that call only the hooks a middleware overrides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dramatiq import Message, Middleware
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.middleware import MiddlewareError
+
+from ..errors import BrokerMismatch
+
+if TYPE_CHECKING:
+    import redis
+
+SETTLEMENT_ATTR = "_gp_settlement"
+
+
+@dataclass(slots=True)
+class Settlement:
+    """What to write together with a message's ack, nack or requeue."""
+
+    #: Idempotency key and the token of this attempt's claim ("" if none).
+    key: str = ""
+    token: str = ""
+    #: ``"done"`` marks the id completed, ``"release"`` frees the claim.
+    outcome: str = ""
+    retention_ms: int = 0
+    #: A copy for the delay queue, already announced (``before_enqueue``), due after
+    #: ``delay_ms``: a retry or a deferral (see :meth:`KitBroker.redeliver_later`).
+    redeliver: Message[Any] | None = None
+    delay_ms: int = 0
+
+
+def settlement(message: MessageProxy) -> Settlement | None:
+    return getattr(message, SETTLEMENT_ATTR, None)
+
+
+def attach_settlement(message: MessageProxy, value: Settlement) -> None:
+    setattr(message, SETTLEMENT_ATTR, value)
+
+
+class BrokerHooks(Protocol):
+    """What the kit's brokers call on their middleware besides Dramatiq's hooks.
+
+    A middleware defines either method, or both; the broker calls each middleware
+    that has it, in list order.
+    """
+
+    def after_fetch(self, broker: KitBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
+        """A consumer fetched ``messages`` (perhaps none) from ``queue_name``; no worker thread has them yet."""
+
+    def after_send_failed(self, broker: KitBroker, message: Message[Any], error: BaseException | None) -> None:
+        """``message``, announced by ``before_enqueue``, was not sent; ``error`` says why when it failed."""
+
+
+class KitBroker(Broker):
+    """The protocol the kit's middleware rely on (see the module docstring)."""
+
+    #: The coordination Redis/Valkey, and the prefix of the kit's keys in it.
+    client: redis.Redis
+    namespace: str
+
+    _hook_cache: dict[str, list[Callable[..., Any]]]
+    _hooks_for: int
+
+    def hooks(self, name: str) -> list[Callable[..., Any]]:
+        """The middleware's ``name`` methods that do something, in list order.
+
+        Dramatiq's own ``emit_before``/``emit_after`` call every middleware's hook,
+        the base class's no-ops included, about seventeen calls per signal and half a
+        dozen signals per message. The methods that are more than that no-op are
+        found once (again when the list changes) and kept.
+        """
+        if getattr(self, "_hooks_for", -1) != len(self.middleware):
+            self._hook_cache, self._hooks_for = {}, len(self.middleware)
+        found = self._hook_cache.get(name)
+        if found is None:
+            found = self._hook_cache[name] = [
+                getattr(middleware, name)
+                for middleware in self.middleware
+                if name in vars(middleware)
+                or getattr(type(middleware), name, None) not in (None, getattr(Middleware, name, None))
+            ]
+        return found
+
+    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        """Dramatiq's ``emit_before``: each middleware's hook in list order; only a ``MiddlewareError`` gets out."""
+        name = "before_" + signal
+        for hook in self.hooks(name):
+            try:
+                hook(self, *args, **kwargs)
+            except MiddlewareError:
+                raise
+            except Exception:
+                self.logger.critical(
+                    "Unexpected failure in %s of %r.", name, getattr(hook, "__self__", hook), exc_info=True
+                )
+
+    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        """Dramatiq's ``emit_after``: each middleware's hook in reverse order; no exception gets out."""
+        name = "after_" + signal
+        for hook in reversed(self.hooks(name)):
+            try:
+                hook(self, *args, **kwargs)
+            except Exception:
+                self.logger.critical(
+                    "Unexpected failure in %s of %r.", name, getattr(hook, "__self__", hook), exc_info=True
+                )
+
+    def send_failed(self, message: Message[Any], error: BaseException | None) -> None:
+        """Report that ``message``, announced by ``before_enqueue``, was not sent."""
+        for hook in self.hooks("after_send_failed"):
+            hook(self, message, error)
+
+    def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
+        """Enqueue ``messages``, each sent or the call raising."""
+        raise NotImplementedError
+
+    def redeliver_later(self, message: MessageProxy, delay_ms: int, **options: Any) -> None:
+        """Send a copy of ``message`` (with ``options``) to its delay queue, due after ``delay_ms``, once settled."""
+        raise NotImplementedError
+
+    def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
+        """Ack, nack or requeue ``message`` with its :class:`Settlement`, now."""
+        raise NotImplementedError
+
+
+def kit_broker(broker: Broker, middleware: Middleware) -> KitBroker:
+    """``broker``, which ``middleware`` needs to be one of the kit's brokers.
+
+    Raises:
+        BrokerMismatch: it is another broker; one line naming both.
+    """
+    if not isinstance(broker, KitBroker):
+        cls = type(broker)
+        raise BrokerMismatch(
+            f"{type(middleware).__name__} needs dramatiq_gp.RedisBroker, not {cls.__module__}.{cls.__qualname__}: "
+            f"build the broker with gp.RedisBroker(...) (it takes RedisBroker's arguments)"
+        )
+    return broker
