@@ -1,0 +1,119 @@
+"""A quorum queue on a 3-node RabbitMQ cluster of the test's own outlives kill -9 of its leader.
+
+The nodes are :class:`servers.RabbitmqCluster`'s, on loopback next to the machine's own
+``rabbit@localhost`` (never touched); without RabbitMQ, or as a user that cannot start
+its nodes, the tests skip in one line.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import dramatiq
+import pika
+import pika.exceptions
+import pytest
+
+from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
+from helpers import wait_for
+from servers import RabbitmqCluster, skip_without_rabbitmq
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = 100
+
+
+@pytest.fixture
+def cluster() -> Iterator[RabbitmqCluster]:
+    skip_without_rabbitmq()
+    # Not tmp_path: as root that is under /tmp/pytest-of-root (0700), out of the user rabbitmq's reach.
+    directory = Path(tempfile.mkdtemp(prefix="gp-rabbitmq-cluster-"))
+    cluster: RabbitmqCluster | None = None
+    try:
+        cluster = RabbitmqCluster(directory)
+        cluster.start()
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.stop()  # every node, kill -9 of leftovers, and the directory
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _publish(url: str, queue: str) -> set[bytes]:
+    bodies = {f"message {n}".encode() for n in range(MESSAGES)}
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue, durable=True, arguments={"x-queue-type": "quorum"})
+        channel.confirm_delivery()  # basic_publish raises unless the queue's quorum has the message
+        persistent = pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent)
+        for body in sorted(bodies):
+            channel.basic_publish("", queue, body, persistent, mandatory=True)
+    finally:
+        connection.close()
+    return bodies
+
+
+def _fetch_all(url: str, queue: str, timeout: float = 30) -> set[bytes]:
+    """Every message of ``queue`` through ``url``, retrying while the queue has no leader yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            connection = pika.BlockingConnection(pika.URLParameters(url))
+            try:
+                channel = connection.channel()
+                got: list[bytes] = []
+                while True:
+                    method, _, body = channel.basic_get(queue)
+                    if method is None:
+                        break
+                    got.append(body)
+                if len(got) < MESSAGES:  # not acked: they go back and a later pass counts them again
+                    raise LookupError(f"{len(got)} of {MESSAGES} messages")
+                channel.basic_ack(delivery_tag=0, multiple=True)
+                assert len(got) == len(set(got)) == MESSAGES
+                return set(got)
+            finally:
+                if connection.is_open:
+                    connection.close()
+        except (pika.exceptions.AMQPError, LookupError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_quorum_queue_survives_kill_of_its_leader(cluster: RabbitmqCluster) -> None:
+    assert sorted(cluster.running_nodes()) == sorted(node.node for node in cluster.nodes)
+    queue = f"gp-cluster-{uuid.uuid4().hex[:8]}"
+    bodies = _publish(cluster.urls[1], queue)
+    assert cluster.queue_info(queue, "type")["type"] == "quorum"
+
+    leader = cluster.leader(queue)
+    killed = cluster.index(leader)
+    cluster.kill(killed)
+    assert cluster.nodes[killed].beam_pid() is None
+
+    # A new leader among the two left, then every message through one of them.
+    wait_for(lambda: cluster.leader(queue) not in (leader, ""), timeout=30, interval=0.5)
+    other = next(i for i in range(len(cluster.nodes)) if i != killed)
+    assert _fetch_all(cluster.urls[other], queue) == bodies
+
+    # Dramatiq's url=list connects past the dead node (listed first) to a live one.
+    urls = [cluster.urls[killed], *(url for i, url in enumerate(cluster.urls) if i != killed)]
+    broker = RabbitmqBroker(url=urls)
+    try:
+        name = f"{queue}-dramatiq"
+        dramatiq.actor(lambda: None, actor_name="gp_cluster_noop", queue_name=name, broker=broker).send()
+        assert broker.get_queue_message_counts(name)[0] == 1
+    finally:
+        broker.close()
+
+    # The killed node comes back into the cluster and the queue's membership.
+    cluster.start(killed)
+    wait_for(lambda: cluster.nodes[killed].node in cluster.running_nodes(), timeout=30, interval=0.5)
+    wait_for(lambda: leader in cluster.queue_info(queue, "online")["online"], timeout=30, interval=0.5)
