@@ -6,6 +6,7 @@ they answer, embedded ones otherwise. Tests never skip for lack of a server.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import uuid
@@ -25,6 +26,17 @@ sys.path.insert(0, str(ROOT))
 import dramatiq_gp as gp  # noqa: E402
 from devtools.services import services  # noqa: E402
 from helpers import own_database  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_each_test() -> Iterator[None]:
+    """Collect after each test, so an object it left open (a connection, a socket) fails that test.
+
+    Otherwise the ResourceWarning comes whenever the collector happens to run,
+    in whatever test runs then.
+    """
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
