@@ -7,6 +7,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -15,12 +16,17 @@ import pika
 import pika.exceptions
 import pytest
 import redis
+import sqlalchemy as sa
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL
 from dramatiq.common import dq_name, xq_name
 
 import dramatiq_gp as gp
 from dramatiq_gp import keys
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
+from dramatiq_gp.outbox import OUTBOX_EVENTS
+from dramatiq_gp.outbox.relay import Relay
+from dramatiq_gp.registry import EVENT_QUEUE
+from dramatiq_gp.settings import OutboxSettings
 from helpers import wait_for
 
 URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -184,3 +190,33 @@ def test_a_failed_idempotent_attempt_is_retried_through_the_delay_queue_and_a_co
         worker.stop()
     assert attempts == [1, 2]
     assert broker.client.get(keys.done_prefix(namespace) + message.message_id) == b"done"
+
+
+@gp.event("test.rabbitmq.paid")
+@dataclass(frozen=True)
+class Paid:
+    order_id: int
+
+
+def test_the_outbox_relay_marks_rows_published_once_rabbitmq_confirmed_them(make_broker, engine, redis_url, namespace):
+    broker = make_broker(client=redis.Redis.from_url(redis_url), namespace=namespace)
+    broker.declare_queue(EVENT_QUEUE, ensure=True)
+    broker.flush(EVENT_QUEUE)
+    try:
+        with engine.begin() as conn:
+            ids = {gp.dispatch(conn, Paid(n)) for n in range(20)}
+        relay = Relay(engine=engine, broker=broker, settings=OutboxSettings(batch_size=8))
+        assert sum(iter(relay.relay_once, 0)) == 20
+        with engine.connect() as conn:
+            pending = conn.execute(sa.select(OUTBOX_EVENTS.c.id).where(OUTBOX_EVENTS.c.published_at.is_(None))).all()
+        assert pending == []
+        consumer = broker.consume(EVENT_QUEUE, prefetch=20, timeout=1000)
+        try:
+            got = [next(m for m in consumer if m is not None) for _ in range(20)]
+        finally:
+            consumer.close()
+        assert {m.message_id for m in got} == ids
+    finally:
+        broker.channel.queue_delete(EVENT_QUEUE)
+        broker.channel.queue_delete(dq_name(EVENT_QUEUE))
+        broker.channel.queue_delete(xq_name(EVENT_QUEUE))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from dramatiq import Broker, Middleware, Worker
 
-from ..brokers.redis import RedisBroker, redis_broker
+from ..brokers.base import KitBroker, kit_broker
 from ..errors import one_line_at_start_up
 from ..settings import OutboxSettings, Settings
 
@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 class OutboxRelay(Middleware):
     """Moves committed outbox events to the queue (see :mod:`dramatiq_gp.outbox.relay`).
 
-    Hooks: ``before_worker_boot`` (refuses any broker but
-    :class:`dramatiq_gp.RedisBroker`, which sends a batch in one round trip, all
-    or none), ``after_worker_boot`` (starts the relay thread) and
+    Hooks: ``before_worker_boot`` (refuses a broker not of the kit's, which sends
+    a batch before the relay marks it published: :class:`dramatiq_gp.RedisBroker`
+    in one round trip, all or none, RabbitMQ one confirmed publish after another),
+    ``after_worker_boot`` (starts the relay thread) and
     ``before_worker_shutdown`` (stops it once its current round commits: listed
     before :class:`~dramatiq_gp.Lifecycle`, it stops before in-flight tasks drain).
 
@@ -44,7 +45,7 @@ class OutboxRelay(Middleware):
         self.settings = settings if settings is not None else Settings.from_env().outbox
         self.relay: Relay | None = None
 
-    def bind(self, broker: RedisBroker) -> Relay:
+    def bind(self, broker: KitBroker) -> Relay:
         """The relay of this process, sending to ``broker`` (built once)."""
         if self.relay is None:
             from ..outbox import Relay
@@ -54,7 +55,7 @@ class OutboxRelay(Middleware):
 
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        self.bind(redis_broker(broker, self))
+        self.bind(kit_broker(broker, self))
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         assert self.relay is not None

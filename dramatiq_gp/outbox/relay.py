@@ -44,7 +44,7 @@ from opentelemetry.metrics import Observation
 from pydantic import ValidationError
 from sqlalchemy.dialects.postgresql import ARRAY
 
-from ..brokers.redis import RedisBroker
+from ..brokers.base import KitBroker
 from ..errors import GPError
 from ..events import event_type_named
 from ..metrics import instruments, observe
@@ -92,7 +92,7 @@ class Relay:
 
     name = "outbox relay"
 
-    def __init__(self, *, engine: sa.Engine, broker: RedisBroker, settings: OutboxSettings) -> None:
+    def __init__(self, *, engine: sa.Engine, broker: KitBroker, settings: OutboxSettings) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.engine = engine
         self.broker = broker
