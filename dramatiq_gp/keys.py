@@ -123,6 +123,11 @@ class SchedulerKeys:
         """Entry name → its next fire times as a JSON list, for triggers other than cron strings (a hash)."""
         return f"{self.prefix}:upcoming"
 
+    @property
+    def unpublished(self) -> str:
+        """``<entry>:<tick ms>`` → a claimed tick's message not yet confirmed by a broker other than Redis (a hash)."""
+        return f"{self.prefix}:unpublished"
+
     def tick(self, entry: str, tick_ms: int) -> str:
         """The claim of one tick of one entry."""
         return f"{self.prefix}:tick:{entry}:{tick_ms}"

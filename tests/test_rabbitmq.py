@@ -8,6 +8,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,10 +24,11 @@ from dramatiq.common import dq_name, xq_name
 import dramatiq_gp as gp
 from dramatiq_gp import keys
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
+from dramatiq_gp.names import tick_message_id
 from dramatiq_gp.outbox import OUTBOX_EVENTS
 from dramatiq_gp.outbox.relay import Relay
 from dramatiq_gp.registry import EVENT_QUEUE
-from dramatiq_gp.settings import OutboxSettings
+from dramatiq_gp.settings import OutboxSettings, SchedulerSettings
 from helpers import wait_for
 
 URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -220,3 +222,55 @@ def test_the_outbox_relay_marks_rows_published_once_rabbitmq_confirmed_them(make
         broker.channel.queue_delete(EVENT_QUEUE)
         broker.channel.queue_delete(dq_name(EVENT_QUEUE))
         broker.channel.queue_delete(xq_name(EVENT_QUEUE))
+
+
+def _scheduled_broker(make_broker, redis_url, namespace, queue_name, schedule):
+    return make_broker(
+        client=redis.Redis.from_url(redis_url),
+        namespace=namespace,
+        middleware=[
+            gp.SchedulerLease(schedule, settings=SchedulerSettings(lease_ttl="2s", catchup="all")),
+            gp.IdempotentExecution(),
+            gp.Retries(min_backoff=100, max_backoff=100),
+        ],
+    )
+
+
+def test_a_job_fires_every_tick_once_through_rabbitmq(make_broker, redis_url, namespace, queue_name, rdb):
+    ticks: list[datetime] = []
+    schedule = gp.Schedule().job(f"{queue_name}.beat", "@every 1s", ticks.append, queue=queue_name)
+    broker = _scheduled_broker(make_broker, redis_url, namespace, queue_name, schedule)
+    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: len(ticks) >= 4, timeout=20)
+    finally:
+        worker.stop()
+    assert len(ticks) == len(set(ticks))
+    assert all(b - a == timedelta(seconds=1) for a, b in zip(sorted(ticks), sorted(ticks)[1:], strict=False))
+    assert rdb.hlen(keys.SchedulerKeys(namespace).unpublished) == 0
+
+
+def test_a_tick_claimed_by_a_leader_that_died_before_the_confirm_is_published_by_the_next(
+    make_broker, redis_url, namespace, queue_name, rdb, caplog
+):
+    ticks: list[datetime] = []
+    name = f"{queue_name}.nightly"
+    schedule = gp.Schedule().job(name, "0 3 * * *", ticks.append, queue=queue_name)
+    broker = _scheduled_broker(make_broker, redis_url, namespace, queue_name, schedule)
+    # What claim.lua leaves when the leader dies before RabbitMQ confirmed the tick's message.
+    tick = datetime(2026, 12, 2, 3, tzinfo=UTC)
+    message = dramatiq.Message(
+        queue_name=queue_name, actor_name=f"job:{name}", args=({"entry": name, "scheduled_at": tick.isoformat()},),
+        kwargs={}, options={}, message_id=tick_message_id(name, tick),
+    )  # fmt: skip
+    unpublished = keys.SchedulerKeys(namespace).unpublished
+    rdb.hset(unpublished, f"{name}:{int(tick.timestamp() * 1000)}", message.encode())
+    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: ticks == [tick], timeout=20)
+    finally:
+        worker.stop()
+    assert rdb.hlen(unpublished) == 0
+    assert "claimed but not confirmed by the leader that claimed it" in caplog.text

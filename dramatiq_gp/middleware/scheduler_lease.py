@@ -7,7 +7,7 @@ import logging
 from dramatiq import Broker, Middleware, Worker
 from opentelemetry import trace
 
-from ..brokers.redis import RedisBroker, redis_broker
+from ..brokers.base import KitBroker, kit_broker
 from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
 from ..scheduler import Runner, Schedule, default_schedule
@@ -21,8 +21,9 @@ class SchedulerLease(Middleware):
     one holder at a time, fenced by epochs, every tick claimed and enqueued in one
     Lua call. An empty schedule starts no election at all.
 
-    Hooks: ``before_worker_boot`` (refuses any broker but
-    :class:`dramatiq_gp.RedisBroker`, whose queues the firing writes to; declares
+    Hooks: ``before_worker_boot`` (refuses a broker not of the kit's: on
+    :class:`dramatiq_gp.RedisBroker` the firing writes to the queues in its Lua
+    call, elsewhere the broker publishes what the firing claimed; declares
     the ``job:<name>`` and ``schedule:<event>`` actors, so their queues are
     consumed), ``after_worker_boot`` (contends and starts the timer) and
     ``before_worker_shutdown`` (stops firing and releases the lease at once:
@@ -53,7 +54,7 @@ class SchedulerLease(Middleware):
         self.tracer_provider = tracer_provider
         self.runner: Runner | None = None
 
-    def bind(self, broker: RedisBroker) -> Runner | None:
+    def bind(self, broker: KitBroker) -> Runner | None:
         """The runner firing ``schedule`` into ``broker`` (built once); ``None`` for an empty schedule."""
         if self.runner is None and self.schedule:
             self.schedule.use_timezone(self.settings.timezone)
@@ -71,7 +72,7 @@ class SchedulerLease(Middleware):
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         if self.schedule:
-            self.bind(redis_broker(broker, self))
+            self.bind(kit_broker(broker, self))
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
         if self.runner is not None:

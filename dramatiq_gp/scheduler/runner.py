@@ -20,6 +20,15 @@ call (``runner/fire.lua``) that, atomically,
    records the tick as the entry's last fired.
 
 So no tick is enqueued twice, and none is claimed without being enqueued.
+
+When the queues are not in that Redis (RabbitMQ), the claim cannot enqueue: the
+same Lua call (``runner/claim.lua``) keeps the tick's message in
+``<ns>:scheduler:unpublished`` instead, the broker publishes it and waits for the
+confirm, and only then is it removed. A leader publishes what it finds there
+before anything else, at every takeover and after an error reaching either, so a claimed
+tick whose publish failed, or whose leader died, is published late rather than
+never; published twice (the confirm came, the removal did not), its two copies
+carry the tick's message id, and idempotent execution runs one.
 APScheduler's own misfire handling is off (``misfire_grace_time=None``,
 ``coalesce=False``): while this process leads, every due tick fires, late if need
 be. What a new leader fires of the ticks missed during a takeover is decided from
@@ -46,12 +55,14 @@ from typing import Any
 import redis
 from apscheduler.schedulers.background import BackgroundScheduler
 from dramatiq import Actor, Message
+from dramatiq.errors import BrokerConnectionError
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
 
 from .. import keys
 from ..aio import is_async, require_event_loop
+from ..brokers.base import KitBroker
 from ..brokers.redis import RedisBroker
 from ..exactly_once import AlreadyApplied, done_running, running_job
 from ..lua import scripts
@@ -66,6 +77,9 @@ from .schedule import Entry, Schedule
 from .triggers import SpecTrigger, first_at_or_after, following, just_after, upcoming
 
 _SCRIPTS = scripts(__file__)
+
+#: Redis, or a broker whose queues are elsewhere, out of reach: try again (a takeover publishes what was claimed).
+_UNREACHABLE = (redis.RedisError, BrokerConnectionError)
 
 
 #: A tick's claim key outlives the catch-up grace by this much (older ticks never fire).
@@ -98,7 +112,7 @@ class Runner:
         self,
         *,
         schedule: Schedule,
-        broker: RedisBroker,
+        broker: KitBroker,
         registry: Registry,
         settings: SchedulerSettings,
         namespace: str,
@@ -110,10 +124,11 @@ class Runner:
         self.covered_key = self.keys.last_fired
         self.lease = Lease(broker.client, self.keys, settings.lease_ttl.total_seconds(), self._leadership_changed)
         self._fire_script = broker.client.register_script(_SCRIPTS["fire"])
+        self._claim_script = broker.client.register_script(_SCRIPTS["claim"])
         self._tick_ttl_ms = int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS
         self._stop = threading.Event()
         self._wake = threading.Event()
-        #: The entries' last fired ticks must be read again before firing (after a Redis error).
+        #: The entries' last fired ticks must be read again before firing (Redis or the broker was out of reach).
         self._stale = threading.Event()
         self._thread: threading.Thread | None = None
         self._timer = BackgroundScheduler(
@@ -211,8 +226,8 @@ class Runner:
             self._stale.clear()
             try:
                 caught_up = self._take_over()
-            except redis.RedisError as exc:
-                self.logger.warning("schedule runner: Redis error, retrying: %s", exc)
+            except _UNREACHABLE as exc:
+                self.logger.warning("schedule runner: Redis or the broker unreachable, retrying: %s", exc)
                 self._stale.set()  # look at the last fired ticks again
                 self._stop.wait(1)
                 continue
@@ -221,8 +236,10 @@ class Runner:
                 self._timer.resume()
 
     def _take_over(self) -> bool:
-        """Pick up where the last leader stopped: fire missed ticks under the catch-up policy,
-        then start each job at its first tick after now. False if the lease was lost meanwhile."""
+        """Pick up where the last leader stopped: publish claimed ticks left unpublished, fire missed
+        ticks under the catch-up policy, then start each job at its first tick after now. False if
+        the lease was lost meanwhile."""
+        self._publish_unpublished()
         now = datetime.now(UTC)
         last = {_text(k): int(v) for k, v in self.broker.client.hgetall(self.covered_key).items()}
         policy, grace = self.settings.catchup, self.settings.catchup_grace
@@ -264,8 +281,8 @@ class Runner:
                 if not self._fire(entry, tick):
                     self._timer.pause()
                     return
-            except redis.RedisError as exc:
-                self.logger.warning("schedule runner: Redis error, retrying: %s", exc)
+            except _UNREACHABLE as exc:
+                self.logger.warning("schedule runner: Redis or the broker unreachable, retrying: %s", exc)
                 # The timer moves on; the takeover's catch-up, from the last fired ticks, does not.
                 self._timer.pause()
                 self._stale.set()
@@ -311,6 +328,8 @@ class Runner:
 
     def _enqueue_tick(self, entry: Entry, tick: datetime) -> int:
         """1: enqueued; 0: this tick was fired already; -1: the lease is lost."""
+        if not isinstance(self.broker, RedisBroker):
+            return self._claim_and_publish(entry, tick)
         message = self._message(entry, tick)
         redis_id = str(uuid.uuid4())
         message = message.copy(options={"redis_message_id": redis_id})
@@ -332,6 +351,34 @@ class Runner:
             self.broker.send_failed(message, None)
         return result
 
+    def _claim_and_publish(self, entry: Entry, tick: datetime) -> int:
+        """:meth:`_enqueue_tick` for a broker whose queues are elsewhere: claim, then a confirmed publish."""
+        message = self._message(entry, tick)
+        field = f"{entry.name}:{_ms(tick)}"
+        assert self.lease.value is not None
+        result = int(self._claim_script(
+            keys=[self.lease.key, self.keys.tick(entry.name, _ms(tick)), self.covered_key, self.keys.unpublished],
+            args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), field, message.encode()],
+        ))  # fmt: skip
+        if result == 1:
+            # A failure here leaves it unpublished, for the next takeover (the error starts one).
+            self.broker.enqueue(message)
+            self.broker.client.hdel(self.keys.unpublished, field)
+        return result
+
+    def _publish_unpublished(self) -> None:
+        """Publish the claimed ticks a leader left unconfirmed (none on Redis, where claiming enqueues)."""
+        if isinstance(self.broker, RedisBroker):
+            return
+        for field, data in self.broker.client.hgetall(self.keys.unpublished).items():
+            message = Message.decode(data if isinstance(data, bytes) else data.encode())
+            self.logger.warning(
+                "schedule runner: publishing %s, claimed but not confirmed by the leader that claimed it",
+                _text(field),
+            )
+            self.broker.enqueue(message)
+            self.broker.client.hdel(self.keys.unpublished, field)
+
     def _message(self, entry: Entry, tick: datetime) -> Message[Any]:
         message_id = tick_message_id(entry.name, tick)
         firing: dict[str, Any] = {"entry": entry.name, "scheduled_at": tick.astimezone(entry.zone).isoformat()}
@@ -348,7 +395,7 @@ class Runner:
         )
 
 
-def _fan_out_fn(registry: Registry, broker: RedisBroker) -> Any:
+def _fan_out_fn(registry: Registry, broker: KitBroker) -> Any:
     def fan_out(firing: dict[str, Any]) -> None:
         # The firing's own message id is the envelope id: every firing is a new
         # dispatch, and a retry of one firing fans out to the same message ids.
