@@ -33,6 +33,7 @@ from dramatiq import Middleware
 from dramatiq.middleware import AsyncIO as DramatiqAsyncIO
 from opentelemetry import trace
 
+from .brokers.base import KitBroker
 from .brokers.redis import RedisBroker
 from .errors import BrokerUnreachable, GPError, one_line_at_start_up
 from .middleware import Lifecycle, OutboxRelay, SchedulerLease, default_middleware
@@ -177,6 +178,17 @@ class Kit:
             self.broker.client.ping()
         except redis.RedisError as exc:
             raise BrokerUnreachable(f"Redis/Valkey unreachable at {self.settings.queue.display()}: {exc}") from None
+        if self.settings.broker.url is not None:
+            import pika.exceptions
+
+            from .brokers.rabbitmq import RabbitmqBroker
+
+            assert isinstance(self.broker, RabbitmqBroker)
+            try:
+                self.broker.connection  # noqa: B018 (opens this thread's connection)
+            except pika.exceptions.AMQPError as exc:
+                where = self.settings.broker.display()
+                raise BrokerUnreachable(f"RabbitMQ unreachable at {where}: {exc!r}") from None
 
     def _database(self) -> sa.Engine | None:
         if not self.settings.db.configured:
@@ -186,7 +198,7 @@ class Kit:
         db = self.settings.db
         return sa.create_engine(db.sqlalchemy_url(), pool_size=db.pool_size, pool_pre_ping=True)
 
-    def _build_broker(self, options: dict[str, Any], middleware: list[Middleware]) -> RedisBroker:
+    def _build_broker(self, options: dict[str, Any], middleware: list[Middleware]) -> KitBroker:
         queue = self.settings.queue
         client = options.pop("client", None) or redis.Redis.from_url(
             queue.connection_url(),
@@ -194,6 +206,15 @@ class Kit:
             health_check_interval=30,
             **queue.client_options(),
         )
+        rabbitmq = self.settings.broker
+        if rabbitmq.url is not None:
+            from .brokers.rabbitmq import RabbitmqBroker
+
+            urls = rabbitmq.urls()
+            options.setdefault("queue_type", rabbitmq.queue_type)
+            return RabbitmqBroker(
+                url=urls if len(urls) > 1 else urls[0], client=client, middleware=middleware, **options
+            )
         worker = self.settings.worker
         options.setdefault("unknown_task_grace_ms", int(worker.unknown_task_grace.total_seconds() * 1000))
         options.setdefault("settle_window_ms", worker.settle_window.total_seconds() * 1000)

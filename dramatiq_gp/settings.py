@@ -191,6 +191,40 @@ class QueueSettings(BaseSettings):
         return options
 
 
+class BrokerSettings(BaseSettings):
+    """``BROKER_URL`` and ``RABBITMQ_*``: RabbitMQ for the queues instead of Redis/Valkey.
+
+    Unset, the queues live on the Redis/Valkey of :class:`QueueSettings`. Set, they
+    live on RabbitMQ, and that Redis/Valkey keeps only the coordination state (the
+    scheduler's lease and ticks, the idempotency claims and done marks).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="RABBITMQ_", extra="ignore", populate_by_name=True)
+
+    #: ``amqp://`` or ``amqps://``; several nodes of a cluster separated by ``;``.
+    url: SecretStr | None = Field(default=None, validation_alias="BROKER_URL")
+    #: ``quorum`` (replicated over the cluster; the default) or ``classic``.
+    queue_type: Literal["quorum", "classic"] = "quorum"
+
+    @model_validator(mode="after")
+    def _amqp(self) -> BrokerSettings:
+        for url in self.urls():
+            scheme = urlsplit(url).scheme
+            if scheme not in ("amqp", "amqps"):
+                raise ValueError(
+                    f"BROKER_URL={redact_url(url)!r} has scheme {scheme!r}; expected amqp:// or amqps:// "
+                    "(unset it to keep the queues on Redis/Valkey, at REDIS_URL)"
+                )
+        return self
+
+    def urls(self) -> list[str]:
+        """The nodes to connect to, passwords included: never log them, use :meth:`display`."""
+        return [u.strip() for u in self.url.get_secret_value().split(";") if u.strip()] if self.url else []
+
+    def display(self) -> str:
+        return ";".join(redact_url(u) for u in self.urls())
+
+
 class DatabaseSettings(BaseSettings):
     """``DB_*``: the application's database, where the outbox lives."""
 
@@ -446,6 +480,7 @@ class Settings:
     scheduler: SchedulerSettings = field(default_factory=lambda: SchedulerSettings())
     otel: OtelSettings = field(default_factory=lambda: OtelSettings())
     sentry: SentrySettings = field(default_factory=lambda: SentrySettings())
+    broker: BrokerSettings = field(default_factory=lambda: BrokerSettings())
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -465,13 +500,13 @@ class Settings:
 
         worker, queue, log = load(WorkerSettings), load(QueueSettings), load(LogSettings)
         db, outbox, scheduler = load(DatabaseSettings), load(OutboxSettings), load(SchedulerSettings)
-        otel, sentry = load(OtelSettings), load(SentrySettings)
-        groups = (worker, queue, log, db, outbox, scheduler, otel, sentry)
+        otel, sentry, broker = load(OtelSettings), load(SentrySettings), load(BrokerSettings)
+        groups = (worker, queue, log, db, outbox, scheduler, otel, sentry, broker)
         if problems or any(group is None for group in groups):
             raise ConfigError("invalid configuration: " + "; ".join(problems))
         assert worker is not None and outbox is not None
         outbox = resolve_inbox_retention(worker, outbox)
-        return cls(worker, queue, log, db, outbox, scheduler, otel, sentry)  # type: ignore[arg-type]
+        return cls(worker, queue, log, db, outbox, scheduler, otel, sentry, broker)  # type: ignore[arg-type]
 
 
 def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:

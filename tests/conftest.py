@@ -91,7 +91,9 @@ def namespace(rdb: redis.Redis) -> Iterator[str]:
 def clean_env(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> pytest.MonkeyPatch:
     """An environment with no kit variables but REDIS_URL."""
     for name in list(os.environ):
-        if name.startswith(("WORKER_", "VALKEY_", "LOG_", "SCHEDULER_", "OUTBOX_", "DB_", "OTEL_", "SENTRY_")):
+        if name.startswith(
+            ("WORKER_", "VALKEY_", "LOG_", "SCHEDULER_", "OUTBOX_", "DB_", "OTEL_", "SENTRY_", "BROKER_", "RABBITMQ_")
+        ):
             monkeypatch.delenv(name)
     monkeypatch.setenv("REDIS_URL", redis_url)
     return monkeypatch

@@ -274,3 +274,52 @@ def test_a_tick_claimed_by_a_leader_that_died_before_the_confirm_is_published_by
         worker.stop()
     assert rdb.hlen(unpublished) == 0
     assert "claimed but not confirmed by the leader that claimed it" in caplog.text
+
+
+@pytest.fixture
+def default_queues() -> Iterator[None]:
+    """The kit's listeners use the queue ``default``: emptied before, deleted after."""
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        channel = connection.channel()
+        for queue in (EVENT_QUEUE, dq_name(EVENT_QUEUE), xq_name(EVENT_QUEUE)):
+            channel.queue_delete(queue)
+        yield
+        for queue in (EVENT_QUEUE, dq_name(EVENT_QUEUE), xq_name(EVENT_QUEUE)):
+            channel.queue_delete(queue)
+    finally:
+        connection.close()
+
+
+def test_broker_url_puts_the_kits_queues_on_rabbitmq_and_listeners_run_there(
+    make_kit, start_worker, default_queues, rdb, namespace
+):
+    seen: list[int] = []
+    kit = make_kit(
+        lambda registry, schedule: registry.listen(Paid, lambda event: seen.append(event.order_id), name="seen"),
+        env={"BROKER_URL": URL},
+    )
+    assert isinstance(kit.broker, RabbitmqBroker) and kit.broker.queue_type == "quorum"
+    kit.check_connection()
+    kit.dispatch(Paid(1))
+    assert kit.broker.get_queue_message_counts(EVENT_QUEUE)[0] == 1
+    assert rdb.llen(f"{namespace}:{EVENT_QUEUE}") == 0  # not on Redis
+    start_worker(kit)
+    kit.dispatch(Paid(2))
+    wait_for(lambda: sorted(seen) == [1, 2])
+    wait_for(lambda: kit.broker.get_queue_message_counts(EVENT_QUEUE) == (0, 0, 0))
+
+
+@pytest.mark.parametrize(
+    ("env", "error"),
+    [
+        ({"BROKER_URL": "http://127.0.0.1:5672"}, "BROKER_URL='http://127.0.0.1:5672' has scheme 'http'"),
+        ({"BROKER_URL": URL, "RABBITMQ_QUEUE_TYPE": "mirrored"}, "RABBITMQ_QUEUE_TYPE='mirrored'"),
+    ],
+)
+def test_a_bad_broker_setting_is_one_line_naming_it(env, error, clean_env):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(gp.ConfigError) as raised:
+        gp.Settings.from_env()
+    assert error in str(raised.value) and "\n" not in str(raised.value)
