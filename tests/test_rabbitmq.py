@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -323,3 +324,36 @@ def test_a_bad_broker_setting_is_one_line_naming_it(env, error, clean_env):
     with pytest.raises(gp.ConfigError) as raised:
         gp.Settings.from_env()
     assert error in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_an_undecodable_or_malformed_message_goes_to_the_dead_letter_queue_in_one_line(make_broker, queue_name, caplog):
+    broker = make_broker()
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.probe")
+    def probe(n: int) -> None:
+        ran.append(n)
+
+    broker.declare_queue(queue_name, ensure=True)
+    garbage = [b"\xff not json", b'{"queue_name": 1}', json.dumps({
+        "queue_name": queue_name, "actor_name": f"{queue_name}.probe", "args": [], "kwargs": [],
+        "options": {}, "message_id": "m", "message_timestamp": 0,
+    }).encode()]  # fmt: skip
+    for body in garbage:
+        broker.channel.basic_publish("", queue_name, body, pika.BasicProperties(delivery_mode=2))
+    probe.send(1)
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: ran == [1])
+        wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 3))
+    finally:
+        worker.stop()
+    lines = [r for r in caplog.records if "is malformed" in r.getMessage()]
+    assert [r.getMessage().split(": ", 1)[1] for r in lines] == [
+        "cannot decode it (UnicodeDecodeError); moved to the dead-letter queue",
+        "cannot decode it (KeyError); moved to the dead-letter queue",
+        "its kwargs is not a dict; moved to the dead-letter queue",
+    ]
+    assert all(r.exc_info is None for r in lines)
+    assert "Failed to decode" not in caplog.text

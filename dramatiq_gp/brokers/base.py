@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dramatiq import Message, Middleware
 from dramatiq.broker import Broker, MessageProxy
+from dramatiq.errors import DecodeError
 from dramatiq.middleware import MiddlewareError
 
 from ..errors import BrokerMismatch
@@ -54,6 +55,27 @@ def settlement(message: MessageProxy) -> Settlement | None:
 
 def attach_settlement(message: MessageProxy, value: Settlement) -> None:
     setattr(message, SETTLEMENT_ATTR, value)
+
+
+def decode_cause(error: DecodeError) -> str:
+    """What Dramatiq's decoder ran into: its own ``DecodeError`` wraps the JSON one."""
+    cause: BaseException = error
+    while isinstance(cause, DecodeError):
+        cause = cause.error
+    return type(cause).__name__
+
+
+def malformed(message: MessageProxy) -> str:
+    """What makes a decoded message unusable, or "" when nothing does.
+
+    Dramatiq's decoder checks only that the fields are there; an id that is not a
+    string breaks every key built from it, arguments that are not a dict every call.
+    """
+    for field, kind in (("queue_name", str), ("actor_name", str), ("message_id", str), ("kwargs", dict),
+                        ("options", dict), ("message_timestamp", int)):  # fmt: skip
+        if not isinstance(getattr(message, field), kind):
+            return f"its {field} is not a {kind.__name__}"
+    return ""
 
 
 class BrokerHooks(Protocol):

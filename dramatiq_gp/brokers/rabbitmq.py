@@ -45,14 +45,14 @@ import pika.exceptions
 import redis
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
-from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, _RabbitmqConsumer
+from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, _RabbitmqConsumer, _RabbitmqMessage
 from dramatiq.brokers.rabbitmq import RabbitmqBroker as DramatiqRabbitmqBroker
 from dramatiq.common import current_millis, dq_name, q_name, xq_name
-from dramatiq.errors import ConnectionClosed
+from dramatiq.errors import ConnectionClosed, DecodeError
 
 from ..errors import ConfigError
 from ..lua import scripts
-from .base import KitBroker, Settlement, attach_settlement, settlement
+from .base import KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +195,31 @@ class _Consumer(_RabbitmqConsumer):
     broker: RabbitmqBroker
 
     def __next__(self) -> Any:
-        message = super().__next__()  # type: ignore[no-untyped-call]
-        if message is not None:
-            message._consumer = self
+        """Dramatiq's, except that a message that cannot be decoded or is malformed goes to the
+        dead-letter queue with one error line (Dramatiq logs a traceback, and takes a malformed
+        one to a worker thread)."""
+        try:
+            method, _properties, body = next(self.iterator)
+            if method is None:
+                return None
+        except (AssertionError, pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
+            if getattr(exc, "reply_code", None) == 404:  # the queue is gone: declare it again
+                self.broker.queues_pending.add(q_name(self.queue_name))
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        try:
+            message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, Message.decode(body))  # type: ignore[no-untyped-call]
+            problem = malformed(message)
+        except DecodeError as exc:
+            problem = f"cannot decode it ({decode_cause(exc)})"
+        if problem:
+            # The bytes stay out of the line (they may be a payload); the dead-letter queue keeps them.
+            logger.error(
+                "a message on queue %r is malformed: %s; moved to the dead-letter queue", self.queue_name, problem
+            )
+            self._nack(method.delivery_tag)  # type: ignore[no-untyped-call]
+            return None
+        self.known_tags.add(method.delivery_tag)
+        message._consumer = self
         return message
 
     def ack(self, message: Any) -> None:

@@ -90,7 +90,7 @@ from .. import keys
 from ..durations import format_duration
 from ..errors import BrokerMismatch
 from ..lua import scripts
-from .base import KitBroker, Settlement, attach_settlement, settlement
+from .base import KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
@@ -500,7 +500,7 @@ class _Consumer(_RedisConsumer):
                 message = MessageProxy(Message.decode(data))
                 problem = _malformed(message)
             except DecodeError as exc:
-                problem = f"cannot decode it ({_cause(exc)})"
+                problem = f"cannot decode it ({decode_cause(exc)})"
             if problem:
                 self._set_aside(data, problem)
                 continue
@@ -572,25 +572,10 @@ class _Consumer(_RedisConsumer):
         super().close()
 
 
-def _cause(error: DecodeError) -> str:
-    """What Dramatiq's decoder ran into: its own ``DecodeError`` wraps the JSON one."""
-    cause: BaseException = error
-    while isinstance(cause, DecodeError):
-        cause = cause.error
-    return type(cause).__name__
-
-
 def _malformed(message: MessageProxy) -> str:
-    """What makes a decoded message unusable here, or "" when nothing does.
-
-    Dramatiq's decoder checks only that the fields are there; a message with no
-    ``redis_message_id`` (written by something other than a Dramatiq broker) could
-    not even be acked, and an id that is not a string breaks every key built from it.
-    """
-    for field, kind in (("queue_name", str), ("actor_name", str), ("message_id", str), ("kwargs", dict),
-                        ("options", dict), ("message_timestamp", int)):  # fmt: skip
-        if not isinstance(getattr(message, field), kind):
-            return f"its {field} is not a {kind.__name__}"
-    if not isinstance(message.options.get("redis_message_id"), str):
+    """:func:`~.base.malformed`, and a message with no ``redis_message_id`` (written by
+    something other than a Dramatiq broker), which could not even be acked."""
+    problem = malformed(message)
+    if not problem and not isinstance(message.options.get("redis_message_id"), str):
         return "it has no options.redis_message_id (it was not written by a Dramatiq broker)"
-    return ""
+    return problem
