@@ -212,6 +212,9 @@ class Kit:
 
             urls = rabbitmq.urls()
             options.setdefault("queue_type", rabbitmq.queue_type)
+            options.setdefault(
+                "unknown_task_grace_ms", int(self.settings.worker.unknown_task_grace.total_seconds() * 1000)
+            )
             return RabbitmqBroker(
                 url=urls if len(urls) > 1 else urls[0], client=client, middleware=middleware, **options
             )

@@ -118,6 +118,7 @@ def make_kit(clean_env: pytest.MonkeyPatch, namespace: str) -> Iterator[MakeKit]
 
     yield make
     for kit in kits:
+        kit.broker.close()  # RabbitMQ's connections (a dispatch opens one in this thread)
         kit.broker.client.close()
         if kit.engine is not None:
             kit.engine.dispose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -213,12 +214,11 @@ def test_the_outbox_relay_marks_rows_published_once_rabbitmq_confirmed_them(make
         with engine.connect() as conn:
             pending = conn.execute(sa.select(OUTBOX_EVENTS.c.id).where(OUTBOX_EVENTS.c.published_at.is_(None))).all()
         assert pending == []
-        consumer = broker.consume(EVENT_QUEUE, prefetch=20, timeout=1000)
-        try:
-            got = [next(m for m in consumer if m is not None) for _ in range(20)]
-        finally:
-            consumer.close()
-        assert {m.message_id for m in got} == ids
+        assert broker.get_queue_message_counts(EVENT_QUEUE)[0] == 20
+        got = []
+        while (fetched := broker.channel.basic_get(EVENT_QUEUE, auto_ack=True))[0] is not None:
+            got.append(dramatiq.Message.decode(fetched[2]).message_id)
+        assert sorted(got) == sorted(ids)
     finally:
         broker.channel.queue_delete(EVENT_QUEUE)
         broker.channel.queue_delete(dq_name(EVENT_QUEUE))
@@ -357,3 +357,35 @@ def test_an_undecodable_or_malformed_message_goes_to_the_dead_letter_queue_in_on
     ]
     assert all(r.exc_info is None for r in lines)
     assert "Failed to decode" not in caplog.text
+
+
+def test_a_task_type_no_worker_knows_is_held_then_skipped_to_the_dead_letter_queue(
+    make_broker, queue_name, redis_url, namespace, caplog
+):
+    broker = make_broker(client=redis.Redis.from_url(redis_url), namespace=namespace, unknown_task_grace_ms=600)
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.known")
+    def known() -> None: ...
+
+    stranger = dramatiq.Message(
+        queue_name=queue_name, actor_name=f"{queue_name}.unknown", args=(), kwargs={}, options={}
+    )
+    broker.enqueue(stranger)
+    caplog.set_level(logging.INFO, logger="dramatiq_gp.brokers.base")
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 1), timeout=15)
+    finally:
+        worker.stop()
+    assert "holding its messages for up to 0 s" in caplog.text
+    assert "task skipped: no handler registered for task type" in caplog.text
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        _, _, body = connection.channel().basic_get(xq_name(queue_name), auto_ack=True)
+    finally:
+        connection.close()
+    kept = dramatiq.Message.decode(body)
+    assert kept.message_id == stranger.message_id
+    assert "within 600ms (WORKER_UNKNOWN_TASK_GRACE)" in kept.options["gp_dead_letter_reason"]
+    assert broker.client.hget(keys.skipped(namespace), stranger.actor_name) == b"1"

@@ -16,21 +16,36 @@ class it extends. Beyond Dramatiq's broker it offers:
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dramatiq import Message, Middleware
 from dramatiq.broker import Broker, MessageProxy
+from dramatiq.common import current_millis, q_name
 from dramatiq.errors import DecodeError
 from dramatiq.middleware import MiddlewareError
 
+from ..durations import format_duration
 from ..errors import BrokerMismatch
 
 if TYPE_CHECKING:
     import redis
 
+logger = logging.getLogger(__name__)
+
 SETTLEMENT_ATTR = "_gp_settlement"
+
+#: Option on a dead-lettered copy saying why it is there.
+DEAD_LETTER_REASON = "gp_dead_letter_reason"
+
+#: How long a message for an unknown task type waits between looks.
+UNKNOWN_TASK_RETRY_MS = 30_000
+
+_warned_lock = threading.Lock()
 
 
 @dataclass(slots=True)
@@ -98,6 +113,8 @@ class KitBroker(Broker):
     #: The coordination Redis/Valkey, and the prefix of the kit's keys in it.
     client: redis.Redis
     namespace: str
+    #: How long messages for a task type no actor here handles are held (``WORKER_UNKNOWN_TASK_GRACE``).
+    unknown_task_grace_ms: int
 
     _hook_cache: dict[str, list[Callable[..., Any]]]
     _hooks_for: int
@@ -145,6 +162,47 @@ class KitBroker(Broker):
                 self.logger.critical(
                     "Unexpected failure in %s of %r.", name, getattr(hook, "__self__", hook), exc_info=True
                 )
+
+    def hold_or_skip_unknown(self, consumer: Any, message: MessageProxy) -> None:
+        """Put back ``message``, whose task type no actor here handles, or skip it once the grace is over.
+
+        A newer worker may know it (a deploy rolls out one process at a time), so for
+        ``unknown_task_grace_ms`` it goes back to the delay queue every
+        :data:`UNKNOWN_TASK_RETRY_MS` (settled by ``consumer``); then it goes to the
+        dead-letter queue, the reason in its options, with one warning per task type.
+        """
+        now = current_millis()
+        since = message.options.get("gp_unknown_since", now)
+        waited = now - since
+        if waited < self.unknown_task_grace_ms:
+            self._warn_once(
+                "held", message.actor_name,
+                "no handler for task type %r here; holding its messages for up to %d s in case "
+                "a newer worker handles them (WORKER_UNKNOWN_TASK_GRACE)",
+                message.actor_name, self.unknown_task_grace_ms // 1000, level=logging.INFO,
+            )  # fmt: skip
+            delay_ms = min(UNKNOWN_TASK_RETRY_MS, self.unknown_task_grace_ms - waited)
+            self.redeliver_later(message, delay_ms, gp_unknown_since=since)
+            consumer.ack(message)
+            return
+        self._warn_once(
+            "skipped", message.actor_name,
+            "task skipped: no handler registered for task type %r (task_id=%s); it and further messages "
+            "of this type go to the dead-letter set of queue %r",
+            message.actor_name, message.message_id, q_name(message.queue_name),
+        )  # fmt: skip
+        grace = format_duration(timedelta(milliseconds=self.unknown_task_grace_ms))
+        reason = f"no handler for task type {message.actor_name!r} within {grace} (WORKER_UNKNOWN_TASK_GRACE)"
+        consumer.dead_letter(message, reason)
+
+    def _warn_once(self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING) -> None:
+        """Log ``msg`` the first time ``kind`` happens to ``task_type`` in this process."""
+        with _warned_lock:
+            warned = self.__dict__.setdefault("_warned", set())
+            if (kind, task_type) in warned:
+                return
+            warned.add((kind, task_type))
+        logger.log(level, msg, *args)
 
     def send_failed(self, message: Message[Any], error: BaseException | None) -> None:
         """Report that ``message``, announced by ``before_enqueue``, was not sent."""

@@ -50,9 +50,10 @@ from dramatiq.brokers.rabbitmq import RabbitmqBroker as DramatiqRabbitmqBroker
 from dramatiq.common import current_millis, dq_name, q_name, xq_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 
+from .. import keys
 from ..errors import ConfigError
 from ..lua import scripts
-from .base import KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
+from .base import DEAD_LETTER_REASON, KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     Parameters:
         client: the coordination Redis/Valkey (default: one on 127.0.0.1:6379).
         namespace: the prefix of the kit's keys in it.
+        unknown_task_grace_ms: how long messages for a task type no actor here
+            handles are held before they are skipped (``WORKER_UNKNOWN_TASK_GRACE``).
         queue_type: ``"quorum"`` (replicated; the default) or ``"classic"``.
         confirm_delivery: wait for RabbitMQ's confirm of every send (default on).
         **options: :class:`dramatiq.brokers.rabbitmq.RabbitmqBroker`'s (``url``,
@@ -82,6 +85,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         *,
         client: redis.Redis | None = None,
         namespace: str = "dramatiq",
+        unknown_task_grace_ms: int = 300_000,
         queue_type: str = "quorum",
         confirm_delivery: bool = True,
         **options: Any,
@@ -94,6 +98,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self.queue_type: QueueType = queue_type
         self.client = client if client is not None else redis.Redis()
         self.namespace = namespace
+        self.unknown_task_grace_ms = unknown_task_grace_ms
         self._record = self.client.register_script(_SCRIPTS["record"])
 
     def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
@@ -167,6 +172,20 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             self.send_failed(copy, exc)
             raise
 
+    def dead_letter(self, queue_name: str, message: MessageProxy, reason: str) -> None:
+        """Move ``message`` to its queue's dead-letter queue, ``reason`` in its options, counted per task type."""
+        kept = message.copy(queue_name=xq_name(q_name(queue_name)), options={DEAD_LETTER_REASON: reason})
+        self._publish(kept)
+        skipped = keys.skipped(self.namespace)
+        try:
+            with self.client.pipeline() as pipe:
+                pipe.hincrby(skipped, message.actor_name, 1)
+                pipe.pexpire(skipped, DEAD_MESSAGE_TTL)
+                pipe.execute()
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        self.settle(queue_name, message, "ack")
+
     def close(self) -> None:
         super().close()
         self.client.close()
@@ -220,6 +239,10 @@ class _Consumer(_RabbitmqConsumer):
             return None
         self.known_tags.add(method.delivery_tag)
         message._consumer = self
+        if not self.queue_name.endswith(".DQ") and message.actor_name not in self.broker.actors:
+            # Delayed messages are only parked in the consumer; they are checked when they come due.
+            self.broker.hold_or_skip_unknown(self, message)
+            return None
         return message
 
     def ack(self, message: Any) -> None:
@@ -227,6 +250,9 @@ class _Consumer(_RabbitmqConsumer):
 
     def nack(self, message: Any) -> None:
         self.broker.settle(self.queue_name, message, "nack")
+
+    def dead_letter(self, message: Any, reason: str) -> None:
+        self.broker.dead_letter(self.queue_name, message, reason)
 
     def settle_on_channel(self, message: Any, command: str) -> None:
         """Ack, nack (to the dead-letter queue) or put back ``message``, which this consumer delivered."""

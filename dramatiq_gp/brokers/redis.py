@@ -73,7 +73,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta
 from typing import Any
 from uuid import uuid4
 
@@ -87,21 +86,15 @@ from dramatiq.errors import ConnectionClosed, DecodeError, QueueJoinTimeout
 from dramatiq.worker import ConsumerThread
 
 from .. import keys
-from ..durations import format_duration
 from ..errors import BrokerMismatch
 from ..lua import scripts
-from .base import KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
+from .base import DEAD_LETTER_REASON, KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
 
-#: How long a message for an unknown task type waits between looks.
-UNKNOWN_TASK_RETRY_MS = 30_000
-
 _SCRIPTS = scripts(__file__)
 
-#: Option on a dead-lettered copy saying why it is there.
-DEAD_LETTER_REASON = "gp_dead_letter_reason"
 
 #: A message to settle: its queue (the consumer's, a delay queue for a delayed message), it, and the command.
 _Settle = tuple[str, MessageProxy, str]
@@ -145,8 +138,6 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         if settle_window_ms > 0:
             self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000)
         self._scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
-        self._warned_lock = threading.Lock()
-        self._warned: set[tuple[str, str]] = set()
         # Redis ids for batches: unique per broker and call, cheaper than a uuid4 each.
         self._id_prefix = f"{uuid4()}-"
         self._id_counter = itertools.count()
@@ -354,39 +345,6 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                    keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name)]  # fmt: skip
         return int(self._scripts["set_aside"](keys=touched, args=[data, current_millis()]))
 
-    def _warn_once(self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING) -> None:
-        """Log ``msg`` the first time ``kind`` happens to ``task_type`` in this process."""
-        with self._warned_lock:
-            if (kind, task_type) in self._warned:
-                return
-            self._warned.add((kind, task_type))
-        logger.log(level, msg, *args)
-
-    def _hold_or_skip_unknown(self, consumer: _Consumer, message: MessageProxy) -> None:
-        now = current_millis()
-        since = message.options.get("gp_unknown_since", now)
-        waited = now - since
-        if waited < self.unknown_task_grace_ms:
-            self._warn_once(
-                "held", message.actor_name,
-                "no handler for task type %r here; holding its messages for up to %d s in case "
-                "a newer worker handles them (WORKER_UNKNOWN_TASK_GRACE)",
-                message.actor_name, self.unknown_task_grace_ms // 1000, level=logging.INFO,
-            )  # fmt: skip
-            delay_ms = min(UNKNOWN_TASK_RETRY_MS, self.unknown_task_grace_ms - waited)
-            self.redeliver_later(message, delay_ms, gp_unknown_since=since)
-            consumer.ack(message)
-            return
-        self._warn_once(
-            "skipped", message.actor_name,
-            "task skipped: no handler registered for task type %r (task_id=%s); it and further messages "
-            "of this type go to the dead-letter set of queue %r",
-            message.actor_name, message.message_id, q_name(message.queue_name),
-        )  # fmt: skip
-        grace = format_duration(timedelta(milliseconds=self.unknown_task_grace_ms))
-        reason = f"no handler for task type {message.actor_name!r} within {grace} (WORKER_UNKNOWN_TASK_GRACE)"
-        consumer.dead_letter(message, reason)
-
     def dead_letter(self, queue_name: str, message: MessageProxy, reason: str) -> None:
         """Move a fetched ``message`` to its queue's dead-letter set, ``reason`` in its options.
 
@@ -510,7 +468,7 @@ class _Consumer(_RedisConsumer):
                 accepted.append(message)
                 continue
             try:
-                self.broker._hold_or_skip_unknown(self, message)
+                self.broker.hold_or_skip_unknown(self, message)
             except ConnectionClosed:
                 raise
             except Exception as exc:
