@@ -178,17 +178,7 @@ class Kit:
             self.broker.client.ping()
         except redis.RedisError as exc:
             raise BrokerUnreachable(f"Redis/Valkey unreachable at {self.settings.queue.display()}: {exc}") from None
-        if self.settings.broker.url is not None:
-            import pika.exceptions
-
-            from .brokers.rabbitmq import RabbitmqBroker
-
-            assert isinstance(self.broker, RabbitmqBroker)
-            try:
-                self.broker.connection  # noqa: B018 (opens this thread's connection)
-            except pika.exceptions.AMQPError as exc:
-                where = self.settings.broker.display()
-                raise BrokerUnreachable(f"RabbitMQ unreachable at {where}: {exc!r}") from None
+        self.broker.ping_queues()
 
     def _database(self) -> sa.Engine | None:
         if not self.settings.db.configured:

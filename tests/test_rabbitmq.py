@@ -21,6 +21,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL
+from dramatiq.cli import RET_CONNECT
 from dramatiq.common import dq_name, xq_name
 
 import dramatiq_gp as gp
@@ -389,3 +390,14 @@ def test_a_task_type_no_worker_knows_is_held_then_skipped_to_the_dead_letter_que
     assert kept.message_id == stranger.message_id
     assert "within 600ms (WORKER_UNKNOWN_TASK_GRACE)" in kept.options["gp_dead_letter_reason"]
     assert broker.client.hget(keys.skipped(namespace), stranger.actor_name) == b"1"
+
+
+def test_a_rabbitmq_that_does_not_answer_is_one_line_at_start_up(make_kit, caplog):
+    kit = make_kit(env={"BROKER_URL": "amqp://guest:guest@127.0.0.1:1/%2F"})
+    with pytest.raises(gp.BrokerUnreachable, match=r"^RabbitMQ unreachable at 127\.0\.0\.1:1: "):
+        kit.check_connection()
+    with pytest.raises(SystemExit) as exited:
+        kit.broker.emit_after("process_boot")
+    assert exited.value.code == RET_CONNECT
+    (line,) = [r.getMessage() for r in caplog.records if "start-up failed" in r.getMessage()]
+    assert line.startswith("start-up failed: RabbitMQ unreachable at 127.0.0.1:1: ")

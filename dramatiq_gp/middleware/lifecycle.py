@@ -35,6 +35,7 @@ from dramatiq.cli import RET_CONNECT
 from ..aio import CANCEL_WAIT_S, cancel_coroutines
 from ..brokers.base import KitBroker
 from ..durations import format_duration
+from ..errors import BrokerUnreachable
 from ..telemetry import Telemetry
 
 Closer = Callable[[], object]
@@ -115,6 +116,12 @@ class Lifecycle(Middleware):
             # SystemExit passes through Dramatiq's hook runner and ends this process
             # with the CLI's "broker connection failed" code.
             raise SystemExit(RET_CONNECT) from None
+        if isinstance(broker, KitBroker):
+            try:
+                broker.ping_queues()
+            except BrokerUnreachable as exc:
+                self.logger.error("start-up failed: %s", exc)
+                raise SystemExit(RET_CONNECT) from None
         self.logger.info("start-up: broker reachable at %s", where)
 
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
