@@ -468,6 +468,17 @@ def add_job(module: str, name: str, cron: str, queue: str, is_async: bool, root:
 # -- status ------------------------------------------------------------------------
 
 
+def _rabbitmq_queues(settings: Settings, client: redis.Redis) -> list[dict[str, Any]]:
+    import pika.exceptions
+
+    from .status import rabbitmq_queue_status
+
+    try:
+        return rabbitmq_queue_status(settings.broker.urls(), client, settings.queue.namespace)
+    except pika.exceptions.AMQPError as exc:
+        raise click.ClickException(f"RabbitMQ unreachable at {settings.broker.display()}: {exc!r}") from None
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="one JSON object")
 def status(as_json: bool) -> None:
@@ -490,7 +501,7 @@ def status(as_json: bool) -> None:
     report: dict[str, Any] = {
         "schedulers": [scheduler_status(client, s) for s in sorted(schedulers, key=lambda s: s.namespace)],
         "outbox": None,
-        "queues": queue_status(client, namespace),
+        "queues": _rabbitmq_queues(settings, client) if settings.broker.url else queue_status(client, namespace),
         "skipped_task_types": skipped_status(client, namespace),
     }
     if settings.db.configured:
@@ -516,6 +527,10 @@ def status(as_json: bool) -> None:
             f"outbox: {box['pending']} pending (oldest {box['oldest_pending_age_s']} s), {box['set_aside']} set aside"
         )
     for queue in report["queues"]:
+        if queue["in_flight"] is None:  # RabbitMQ: what workers hold is not visible over AMQP
+            click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['delayed']} delayed, "
+                       f"{queue['dead']} dead, {queue['consumers']} consumers (RabbitMQ)")  # fmt: skip
+            continue
         click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
                    f"{queue['delayed']} delayed, {queue['dead']} dead")  # fmt: skip
     for task_type, count in report["skipped_task_types"].items():

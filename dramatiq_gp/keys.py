@@ -57,6 +57,11 @@ def heartbeats(namespace: str) -> str:
     return f"{namespace}:__heartbeats__"
 
 
+def declared_queues(namespace: str) -> str:
+    """The queues declared on a broker other than Redis (RabbitMQ), for ``dramatiq-gp status`` (a set)."""
+    return f"{namespace}:gp:queues"
+
+
 def done_prefix(namespace: str) -> str:
     """Prefix of the per-message-id idempotency keys (``<prefix><message id>``)."""
     return f"{namespace}:gp:done:"

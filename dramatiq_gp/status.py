@@ -75,6 +75,39 @@ def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
     return queues
 
 
+def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
+    """Per queue the kit declared on RabbitMQ: messages ready, delayed and dead-lettered, and consumers.
+
+    AMQP tells only what waits on a queue: what a worker holds (running,
+    prefetched, or a delayed message waiting in its memory) is not counted.
+    """
+    import pika
+    import pika.exceptions
+    from dramatiq.common import dq_name, xq_name
+
+    names = sorted(_text(n) for n in client.smembers(keys.declared_queues(namespace)))
+    connection = pika.BlockingConnection([pika.URLParameters(url) for url in urls])
+    try:
+        channel = connection.channel()
+        queues = []
+        for name in names:
+            counts = []
+            for queue in (name, dq_name(name), xq_name(name)):
+                try:
+                    counts.append(channel.queue_declare(queue, passive=True).method)
+                except pika.exceptions.ChannelClosedByBroker:  # deleted since: its channel is closed
+                    channel = connection.channel()
+                    counts.append(None)
+            if counts[0] is None:
+                continue
+            ready, delayed, dead = (c.message_count if c is not None else 0 for c in counts)
+            queues.append({"name": name, "ready": ready, "in_flight": None, "delayed": delayed, "dead": dead,
+                           "consumers": counts[0].consumer_count})  # fmt: skip
+        return queues
+    finally:
+        connection.close()
+
+
 def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int]:
     """Per task type, the messages skipped for want of a handler (in the dead-letter sets, last 7 days)."""
     return {_text(k): int(v) for k, v in sorted(client.hgetall(keys.skipped(namespace)).items())}

@@ -20,6 +20,7 @@ import pika.exceptions
 import pytest
 import redis
 import sqlalchemy as sa
+from click.testing import CliRunner
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL
 from dramatiq.cli import RET_CONNECT
 from dramatiq.common import dq_name, xq_name
@@ -27,6 +28,7 @@ from dramatiq.common import dq_name, xq_name
 import dramatiq_gp as gp
 from dramatiq_gp import keys
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
+from dramatiq_gp.cli import main as cli_main
 from dramatiq_gp.names import tick_message_id
 from dramatiq_gp.outbox import OUTBOX_EVENTS
 from dramatiq_gp.outbox.relay import Relay
@@ -401,3 +403,23 @@ def test_a_rabbitmq_that_does_not_answer_is_one_line_at_start_up(make_kit, caplo
     assert exited.value.code == RET_CONNECT
     (line,) = [r.getMessage() for r in caplog.records if "start-up failed" in r.getMessage()]
     assert line.startswith("start-up failed: RabbitMQ unreachable at 127.0.0.1:1: ")
+
+
+def test_status_reads_the_queue_depths_from_rabbitmq(make_kit, default_queues, clean_env, namespace):
+    kit = make_kit(
+        lambda registry, schedule: registry.listen(Paid, lambda event: None, name="seen"), env={"BROKER_URL": URL}
+    )
+    for n in range(3):
+        kit.dispatch(Paid(n))
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    done = CliRunner().invoke(cli_main, ["status"])
+    assert done.exit_code == 0, done.output
+    assert "queue default: 3 ready, 0 delayed, 0 dead, 0 consumers (RabbitMQ)" in done.output.splitlines()
+    report = json.loads(CliRunner().invoke(cli_main, ["status", "--json"]).output)
+    (default,) = [q for q in report["queues"] if q["name"] == EVENT_QUEUE]
+    assert default == {"name": "default", "ready": 3, "in_flight": None, "delayed": 0, "dead": 0, "consumers": 0}
+
+    clean_env.setenv("BROKER_URL", "amqp://guest:guest@127.0.0.1:1/%2F")
+    done = CliRunner().invoke(cli_main, ["status"])
+    assert done.exit_code == 1
+    assert done.output.splitlines()[-1].startswith("Error: RabbitMQ unreachable at amqp://guest:***@127.0.0.1:1/")

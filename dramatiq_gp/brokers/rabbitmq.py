@@ -209,6 +209,15 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         arguments["x-queue-type"] = self.queue_type
         return arguments
 
+    def _declare_queue(self, queue_name: str) -> Any:
+        declared = super()._declare_queue(queue_name)  # type: ignore[no-untyped-call]
+        try:
+            self.client.sadd(keys.declared_queues(self.namespace), queue_name)
+        except redis.RedisError as exc:
+            # Only `dramatiq-gp status` reads it; a send must not fail for it.
+            logger.warning("could not record queue %r for dramatiq-gp status in Redis: %s", queue_name, exc)
+        return declared
+
     def _declare_xq_queue(self, queue_name: str) -> Any:
         # As Dramatiq's (a fixed TTL: messages expire head first), of the broker's queue type.
         return self.channel.queue_declare(
