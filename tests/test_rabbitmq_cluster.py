@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import dramatiq
+import dramatiq.errors
 import pika
 import pika.exceptions
 import pytest
 
+from apps.app_events import Numbered
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
+from dramatiq_gp.registry import EVENT_QUEUE
 from helpers import wait_for
 from servers import RabbitmqCluster, skip_without_rabbitmq
 
@@ -117,3 +122,38 @@ def test_quorum_queue_survives_kill_of_its_leader(cluster: RabbitmqCluster) -> N
     cluster.start(killed)
     wait_for(lambda: cluster.nodes[killed].node in cluster.running_nodes(), timeout=30, interval=0.5)
     wait_for(lambda: leader in cluster.queue_info(queue, "online")["online"], timeout=30, interval=0.5)
+
+
+def test_a_kit_on_the_cluster_loses_and_doubles_nothing_when_the_queue_leader_is_killed(
+    cluster: RabbitmqCluster, make_kit, start_worker
+) -> None:
+    # The kit's queues on the cluster (quorum), listeners idempotent: events sent while the
+    # node leading the queue dies are each handled once; a send that could not be
+    # confirmed raised, and was sent again, as a caller would.
+    seen: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def record(event: Numbered) -> None:
+        with lock:
+            seen[event.n] += 1
+
+    kit = make_kit(
+        lambda registry, schedule: registry.listen(Numbered, record, name="record"),
+        env={"BROKER_URL": ";".join(cluster.urls)},
+    )
+    start_worker(kit, threads=4)
+    count, resent = 300, 0
+    for n in range(count):
+        if n == 100:
+            cluster.kill(cluster.index(cluster.leader(EVENT_QUEUE)))
+        while True:
+            try:
+                kit.dispatch(Numbered(n))
+                break
+            except dramatiq.errors.ConnectionClosed:
+                resent += 1
+                time.sleep(0.2)
+    wait_for(lambda: len(seen) == count, timeout=90, interval=0.2)
+    time.sleep(2)  # give a stray duplicate the chance to run
+    assert set(seen) == set(range(count))
+    assert max(seen.values()) == 1, [n for n, runs in seen.items() if runs > 1]
