@@ -96,4 +96,7 @@ def __getattr__(name: str) -> Any:
     # The outbox brings SQLAlchemy and psycopg; a worker without a database never loads them.
     if name == "outbox":
         return importlib.import_module(f"{__name__}.outbox")
+    # RabbitMQ brings pika (the rabbitmq extra); a Redis-only application never loads it.
+    if name == "RabbitmqBroker":
+        return importlib.import_module(f"{__name__}.brokers.rabbitmq").RabbitmqBroker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

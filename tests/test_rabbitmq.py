@@ -423,3 +423,7 @@ def test_status_reads_the_queue_depths_from_rabbitmq(make_kit, default_queues, c
     done = CliRunner().invoke(cli_main, ["status"])
     assert done.exit_code == 1
     assert done.output.splitlines()[-1].startswith("Error: RabbitMQ unreachable at amqp://guest:***@127.0.0.1:1/")
+
+
+def test_the_broker_is_gp_rabbitmq_broker():
+    assert gp.RabbitmqBroker is RabbitmqBroker
