@@ -24,6 +24,7 @@ from click.testing import CliRunner
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL
 from dramatiq.cli import RET_CONNECT
 from dramatiq.common import dq_name, xq_name
+from dramatiq.errors import ConnectionClosed
 
 import dramatiq_gp as gp
 from dramatiq_gp import keys
@@ -427,3 +428,25 @@ def test_status_reads_the_queue_depths_from_rabbitmq(make_kit, default_queues, c
 
 def test_the_broker_is_gp_rabbitmq_broker():
     assert gp.RabbitmqBroker is RabbitmqBroker
+
+
+def test_a_retry_copy_rabbitmq_did_not_take_is_sent_when_the_settle_is_tried_again(
+    make_broker, queue_name, redis_url, namespace
+):
+    # The failed attempt stays unacked until its retry copy is confirmed; Dramatiq tries
+    # the settle again, and the copy must still be there to send.
+    broker = make_broker(client=redis.Redis.from_url(redis_url), namespace=namespace)
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.probe")
+    def probe() -> None: ...
+
+    probe.send()
+    consumer = broker.consume(queue_name, prefetch=1, timeout=1000)
+    message = next(m for m in consumer if m is not None)
+    broker.redeliver_later(message, 60_000)
+    broker.channel.queue_delete(dq_name(queue_name))  # the copy cannot be routed: not confirmed
+    with pytest.raises(ConnectionClosed):
+        broker.settle(queue_name, message, "ack")
+    broker.settle(queue_name, message, "ack")  # its queue declared again, the copy sent, then the ack
+    consumer.close()
+    assert broker.get_queue_message_counts(queue_name) == (0, 1, 0)

@@ -132,11 +132,14 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         """
         plan = settlement(message)
         if plan is not None and plan.redeliver is not None:
-            copy, plan.redeliver = plan.redeliver, None  # a settle tried again does not send it twice
+            copy = plan.redeliver
+            if command != "requeue":
+                self._publish(copy)  # raises, keeping the copy for the settle tried again
+            # Sent, or put back as it was (it runs again itself): a settle tried again sends no copy.
+            plan.redeliver = None
             if command == "requeue":
-                self.send_failed(copy, None)  # put back as it was, it runs again itself
+                self.send_failed(copy, None)
             else:
-                self._publish(copy)
                 self.emit_after("enqueue", copy, plan.delay_ms)
         if plan is not None and plan.key:
             try:
@@ -166,6 +169,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             )
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones
+            if isinstance(exc, pika.exceptions.UnroutableError):  # its queue is gone: declare it again
+                self.queues_pending.add(q_name(copy.queue_name))
             self.send_failed(copy, exc)
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         except BaseException as exc:
