@@ -71,6 +71,46 @@ def queued_ids(redis_url: str, namespace: str) -> list[str]:
         client.close()
 
 
+DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+def rabbitmq_queued_ids(url: str) -> list[str]:
+    """The message ids on RabbitMQ's queue ``default``, which this empties."""
+    import pika
+    import pika.exceptions
+
+    from dramatiq_gp.registry import EVENT_QUEUE
+
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        ids = []
+        try:
+            while (got := channel.basic_get(EVENT_QUEUE, auto_ack=True))[0] is not None:
+                ids.append(json.loads(got[2])["message_id"])
+        except pika.exceptions.ChannelClosedByBroker:  # not declared yet: nothing on it
+            pass
+        return ids
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+def delete_rabbitmq_queues(url: str) -> None:
+    import pika
+    from dramatiq.common import dq_name, xq_name
+
+    from dramatiq_gp.registry import EVENT_QUEUE
+
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        for queue in (EVENT_QUEUE, dq_name(EVENT_QUEUE), xq_name(EVENT_QUEUE)):
+            channel.queue_delete(queue)
+    finally:
+        connection.close()
+
+
 def child(mode: str, env: dict[str, str]) -> subprocess.Popen[str]:
     """Start ``python -m benchmarks.outbox_child <mode>``; it prints ``ready`` when set up."""
     process = subprocess.Popen(
