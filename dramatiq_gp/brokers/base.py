@@ -21,11 +21,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dramatiq import Message, Middleware
 from dramatiq.broker import Broker, MessageProxy
-from dramatiq.common import current_millis, q_name
+from dramatiq.common import current_millis, dq_name, q_name
 from dramatiq.errors import DecodeError
 from dramatiq.middleware import MiddlewareError
 
@@ -221,8 +221,26 @@ class KitBroker(Broker):
         raise NotImplementedError
 
     def redeliver_later(self, message: MessageProxy, delay_ms: int, **options: Any) -> None:
-        """Send a copy of ``message`` (with ``options``) to its delay queue, due after ``delay_ms``, once settled."""
-        raise NotImplementedError
+        """Send a copy of ``message`` (with ``options``) to its delay queue, due after ``delay_ms``, when settled.
+
+        The copy goes out with the settlement (:meth:`settle`), never without it, so a
+        retry or a deferral cannot be lost. ``before_enqueue`` is emitted now, so a
+        retry's send span is a child of the failed attempt's.
+        """
+        copy = message.copy(
+            queue_name=dq_name(q_name(message.queue_name)),
+            options={**options, **self._copy_options(), "eta": current_millis() + delay_ms},
+        )
+        self.emit_before("enqueue", copy, delay_ms)
+        plan = settlement(message)
+        if plan is None:
+            plan = Settlement()
+            attach_settlement(message, plan)
+        plan.redeliver, plan.delay_ms = copy, delay_ms
+
+    def _copy_options(self) -> dict[str, Any]:
+        """Options a copy for the delay queue needs on this broker."""
+        return {}
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message`` with its :class:`Settlement`, now."""
@@ -235,7 +253,19 @@ def kit_broker(broker: Broker, middleware: Middleware) -> KitBroker:
     Raises:
         BrokerMismatch: it is another broker; one line naming both.
     """
-    if not isinstance(broker, KitBroker):
+    return require(KitBroker, broker, middleware)
+
+
+B = TypeVar("B", bound=Broker)
+
+
+def require(kind: type[B], broker: Broker, middleware: Middleware) -> B:
+    """``broker``, which ``middleware`` needs to be a ``kind``.
+
+    Raises:
+        BrokerMismatch: it is another broker; one line naming both.
+    """
+    if not isinstance(broker, kind):
         cls = type(broker)
         raise BrokerMismatch(
             f"{type(middleware).__name__} needs dramatiq_gp.RedisBroker, not {cls.__module__}.{cls.__qualname__}: "

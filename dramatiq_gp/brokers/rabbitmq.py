@@ -47,13 +47,13 @@ from dramatiq import Message
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, _RabbitmqConsumer, _RabbitmqMessage
 from dramatiq.brokers.rabbitmq import RabbitmqBroker as DramatiqRabbitmqBroker
-from dramatiq.common import current_millis, dq_name, q_name, xq_name
+from dramatiq.common import q_name, xq_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 
 from .. import keys
 from ..errors import BrokerUnreachable, ConfigError
 from ..lua import scripts
-from .base import DEAD_LETTER_REASON, KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
+from .base import DEAD_LETTER_REASON, KitBroker, decode_cause, malformed, settlement
 
 logger = logging.getLogger(__name__)
 
@@ -104,24 +104,6 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
         """Enqueue ``messages`` one by one, each confirmed by RabbitMQ before the next."""
         return [self.enqueue(message) for message in messages]
-
-    def redeliver_later(self, message: MessageProxy, delay_ms: int, **options: Any) -> None:
-        """Publish a copy of ``message`` (with ``options``) to its delay queue when it is settled.
-
-        The copy is confirmed by RabbitMQ before the message is acked, so a crash in
-        between leaves both: the message runs again, and idempotent execution keeps
-        its two copies from both applying. ``before_enqueue`` is emitted now, so a
-        retry's send span is a child of the failed attempt's.
-        """
-        copy = message.copy(
-            queue_name=dq_name(q_name(message.queue_name)), options={**options, "eta": current_millis() + delay_ms}
-        )
-        self.emit_before("enqueue", copy, delay_ms)
-        plan = settlement(message)
-        if plan is None:
-            plan = Settlement()
-            attach_settlement(message, plan)
-        plan.redeliver, plan.delay_ms = copy, delay_ms
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message``: its copy confirmed first, then its outcome recorded, then it.

@@ -81,14 +81,20 @@ from dramatiq import Message, Middleware, get_encoder
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.brokers.redis import RedisBroker as DramatiqRedisBroker
 from dramatiq.brokers.redis import _RedisConsumer
-from dramatiq.common import compute_backoff, current_millis, dq_name, q_name
+from dramatiq.common import compute_backoff, current_millis, q_name
 from dramatiq.errors import ConnectionClosed, DecodeError, QueueJoinTimeout
 from dramatiq.worker import ConsumerThread
 
 from .. import keys
-from ..errors import BrokerMismatch
 from ..lua import scripts
-from .base import DEAD_LETTER_REASON, KitBroker, Settlement, attach_settlement, decode_cause, malformed, settlement
+from .base import (
+    DEAD_LETTER_REASON,
+    KitBroker,
+    decode_cause,
+    malformed,
+    require,
+    settlement,
+)
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
@@ -106,13 +112,7 @@ def redis_broker(broker: Broker, middleware: Middleware) -> RedisBroker:
     Raises:
         BrokerMismatch: it is another broker; one line naming both.
     """
-    if not isinstance(broker, RedisBroker):
-        cls = type(broker)
-        raise BrokerMismatch(
-            f"{type(middleware).__name__} needs dramatiq_gp.RedisBroker, not {cls.__module__}.{cls.__qualname__}: "
-            f"build the broker with gp.RedisBroker(...) (it takes RedisBroker's arguments)"
-        )
-    return broker
+    return require(RedisBroker, broker, middleware)
 
 
 class RedisBroker(KitBroker, DramatiqRedisBroker):
@@ -236,24 +236,9 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                 self.dead_message_ttl, maintenance, unpack, prefetch]  # fmt: skip
         return list(self.scripts["dispatch"](keys=[self.namespace], args=args))
 
-    def redeliver_later(self, message: MessageProxy, delay_ms: int, **options: Any) -> None:
-        """Send a copy of ``message`` (with ``options``) to the delay queue when it is settled.
-
-        The copy, due after ``delay_ms``, is written in the same Lua call as the
-        ack: both happen or neither, so Redis going away in between cannot leave
-        the message acked and its copy unsent. ``before_enqueue`` is emitted now,
-        so a retry's send span is a child of the failed attempt's.
-        """
-        copy = message.copy(
-            queue_name=dq_name(q_name(message.queue_name)),
-            options={**options, "redis_message_id": str(uuid4()), "eta": current_millis() + delay_ms},
-        )
-        self.emit_before("enqueue", copy, delay_ms)
-        plan = settlement(message)
-        if plan is None:
-            plan = Settlement()
-            attach_settlement(message, plan)
-        plan.redeliver, plan.delay_ms = copy, delay_ms
+    def _copy_options(self) -> dict[str, Any]:
+        # The copy is written in the same Lua call as the ack (settle.lua): both happen or neither.
+        return {"redis_message_id": str(uuid4())}
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`Settlement`, now."""
