@@ -196,20 +196,16 @@ class Kit:
             health_check_interval=30,
             **queue.client_options(),
         )
-        rabbitmq = self.settings.broker
+        worker, rabbitmq = self.settings.worker, self.settings.broker
+        options.setdefault("unknown_task_grace_ms", int(worker.unknown_task_grace.total_seconds() * 1000))
         if rabbitmq.url is not None:
             from .brokers.rabbitmq import RabbitmqBroker
 
             urls = rabbitmq.urls()
             options.setdefault("queue_type", rabbitmq.queue_type)
-            options.setdefault(
-                "unknown_task_grace_ms", int(self.settings.worker.unknown_task_grace.total_seconds() * 1000)
-            )
             return RabbitmqBroker(
                 url=urls if len(urls) > 1 else urls[0], client=client, middleware=middleware, **options
             )
-        worker = self.settings.worker
-        options.setdefault("unknown_task_grace_ms", int(worker.unknown_task_grace.total_seconds() * 1000))
         options.setdefault("settle_window_ms", worker.settle_window.total_seconds() * 1000)
         return RedisBroker(client=client, middleware=middleware, **options)
 
