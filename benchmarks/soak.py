@@ -9,7 +9,11 @@ SIGTERM restart of every replica, a Redis restart, a PostgreSQL restart, the
 leader's replica paused with SIGSTOP past the lease TTL, a poison outbox event,
 and garbage pushed into a queue (bytes, JSON of the wrong shape, 100 kB, a task
 type no worker knows); a listener (``audit``) fails half its attempts throughout.
-Apart from that rotation, six times a run (every sixth of it, from 45 s), a worker
+With ``--broker rabbitmq`` the queues live on a 3-node RabbitMQ cluster of its own
+(quorum queues; Redis keeps the coordination state) and the rotation adds ``kill -9``
+of the RabbitMQ node leading the ``default`` queue and of another node, each started
+again (``rabbitmq_kill_leader``, ``rabbitmq_kill_node``); the garbage is published to
+the queue there. Apart from that rotation, six times a run (every sixth of it, from 45 s), a worker
 is killed between an inbox commit and its ack: the next ``audit`` run to commit
 SIGKILLs its own process before acking (``kill_after_commit``), and its replica is
 started again.
@@ -25,7 +29,8 @@ When the time is up the load stops, the system settles, and the ledger is read:
 * ``ticks_missed`` / ``ticks_duplicated``: seconds from the first tick of each
   entry (the ``soak.tick`` job, the ``soak.beat`` event) to the end of the load
   with no run, and ticks run more than once;
-* ``stuck_messages``: messages still ready, in flight or delayed after settling, and
+* ``stuck_messages``: messages still ready, in flight or delayed after settling (on
+  RabbitMQ: ready or unacknowledged on a queue or delay queue), and
   ``dead_letters``: messages dead-lettered other than the garbage pushed in and the
   messages for the unknown task type (``unknown_task_skipped``: those skipped into
   the dead-letter set after their grace, as counted for ``dramatiq-gp status``);
@@ -109,6 +114,7 @@ class Soak:
     minutes: float
     rate: float
     work: Path
+    broker: str = "redis"
     faults: Counter[str] = field(default_factory=Counter)
     committed: list[int] = field(default_factory=list)
     poison: int = 0
@@ -119,16 +125,21 @@ class Soak:
     stop_load: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> dict[str, Any]:
-        from tests.servers import OwnPostgres, OwnRedis
+        from tests.servers import OwnPostgres, OwnRedis, RabbitmqCluster
 
         self.redis, self.postgres = OwnRedis(self.work / "redis"), OwnPostgres(self.work / "pg")
+        self.rabbitmq = RabbitmqCluster(self.work / "rabbitmq") if self.broker == "rabbitmq" else None
         self.redis.start()
         self.postgres.start()
         try:
+            if self.rabbitmq is not None:
+                self.rabbitmq.start()
             return self._run()
         finally:
             for replica in getattr(self, "replicas", []):
                 replica.kill()
+            if self.rabbitmq is not None:
+                self.rabbitmq.stop()
             self.redis.stop()
             self.postgres.stop()
 
@@ -148,6 +159,8 @@ class Soak:
                "WORKER_MAX_BACKOFF": "2s", "WORKER_SHUTDOWN_TIMEOUT": "10s", "WORKER_UNKNOWN_TASK_GRACE": "10s",
                "OUTBOX_MAX_ATTEMPTS": "3",
                "LOG_LEVEL": "WARN", "PYTHONPATH": str(ROOT)}  # fmt: skip
+        if self.rabbitmq is not None:
+            env["BROKER_URL"] = ";".join(self.rabbitmq.urls)
         self.replicas = [Replica(i, env, self.work / f"replica-{i}.log") for i in range(REPLICAS)]
         for replica in self.replicas:
             replica.start()
@@ -159,6 +172,9 @@ class Soak:
         fault_gap = max(5.0, self.minutes * 60 / 40)
         kinds = ["kill_replica", "kill_leader", "pause_leader", "redis_restart", "postgres_restart",
                  "rolling_restart", "poison_event", "garbage_message"]  # fmt: skip
+        if self.rabbitmq is not None:
+            kinds[2:2] = ["rabbitmq_kill_leader"]
+            kinds[6:6] = ["rabbitmq_kill_node"]
         next_fault = started + fault_gap
         # Not in the rotation: aimed at the gap between an inbox commit and its ack, at least 4 times a run.
         commit_kill_gap = max(10.0, self.minutes * 60 / 6)
@@ -184,7 +200,8 @@ class Soak:
         rss_end = self._rss()
         self._settle()
         result = self._ledger()
-        result.update(minutes=self.minutes, faults_injected=sum(self.faults.values()), faults=dict(self.faults),
+        result.update(broker=self.broker, minutes=self.minutes, faults_injected=sum(self.faults.values()),
+                      faults=dict(self.faults),
                       rss_mb_start=round(self.rss_start, 1), rss_mb_end=round(rss_end, 1),
                       events_per_s=round(len(self.committed) / (self.minutes * 60), 1))  # fmt: skip
         for replica in self.replicas:
@@ -277,6 +294,10 @@ class Soak:
             with self.engine.begin() as conn:
                 conn.execute(OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event="soak.no_such_event", payload={}))
             self.poison += 1
+        elif kind in ("rabbitmq_kill_leader", "rabbitmq_kill_node"):
+            self._kill_rabbitmq_node(leader=kind == "rabbitmq_kill_leader")
+        elif kind == "garbage_message" and self.rabbitmq is not None:
+            self._publish_garbage()
         elif kind == "garbage_message":
             import dramatiq
             import redis
@@ -296,6 +317,39 @@ class Soak:
             self.unknown += 1
             client.close()
 
+    def _kill_rabbitmq_node(self, leader: bool) -> None:
+        """kill -9 a node (the one leading ``default``, or another), start it again: it rejoins."""
+        assert self.rabbitmq is not None
+        nodes = range(len(self.rabbitmq.nodes))
+        try:
+            leading = self.rabbitmq.index(self.rabbitmq.leader("default"))
+        except (LookupError, RuntimeError, ValueError):  # mid-election: any node will do
+            leading = random.choice(nodes)
+        victim = leading if leader else random.choice([i for i in nodes if i != leading])
+        self.rabbitmq.kill(victim)
+        time.sleep(2)
+        self.rabbitmq.start(victim)
+
+    def _publish_garbage(self) -> None:
+        """What ``garbage_message`` pushes into Redis, published to ``default`` on RabbitMQ instead."""
+        import dramatiq
+        import pika
+
+        assert self.rabbitmq is not None
+        connection = pika.BlockingConnection([pika.URLParameters(url) for url in self.rabbitmq.urls])
+        try:
+            channel = connection.channel()
+            channel.confirm_delivery()
+            unknown = dramatiq.Message(queue_name="default", actor_name="soak.no_such_actor", args=(), kwargs={},
+                                       options={})  # fmt: skip
+            for data in (b"\x00\xff garbage", b'{"queue_name": "default"}', b'{"x": ' + b"1" * 100_000 + b"}"):
+                channel.basic_publish("", "default", data, pika.BasicProperties(delivery_mode=2))
+                self.garbage += 1
+            channel.basic_publish("", "default", unknown.encode(), pika.BasicProperties(delivery_mode=2))
+            self.unknown += 1
+        finally:
+            connection.close()
+
     def _rss(self) -> float:
         biggest = 0.0
         for replica in self.replicas:
@@ -311,18 +365,41 @@ class Soak:
 
     # -- the end -------------------------------------------------------------------
 
+    def _queues(self) -> list[dict[str, Any]]:
+        """Per queue: messages ready, in flight, delayed and dead (as ``dramatiq-gp status`` has them).
+
+        On RabbitMQ, from ``rabbitmqctl``: ``in_flight`` is what is unacknowledged on
+        the queue and ``delayed`` what is ready or unacknowledged on its delay queue
+        (a delayed message waits unacknowledged in a worker).
+        """
+        if self.rabbitmq is None:
+            import redis
+
+            from dramatiq_gp.status import queue_status
+
+            client = redis.Redis.from_url(self.redis.url)
+            try:
+                return queue_status(client, self.namespace)
+            finally:
+                client.close()
+        rows = {row["name"]: row for row in self.rabbitmq.queues("messages_ready", "messages_unacknowledged")}
+
+        def count(name: str, column: str) -> int:
+            return int(rows.get(name, {}).get(column) or 0)
+
+        return [
+            {"name": name, "ready": count(name, "messages_ready"), "in_flight": count(name, "messages_unacknowledged"),
+             "delayed": count(f"{name}.DQ", "messages_ready") + count(f"{name}.DQ", "messages_unacknowledged"),
+             "dead": count(f"{name}.XQ", "messages_ready") + count(f"{name}.XQ", "messages_unacknowledged")}
+            for name in rows
+            if not name.endswith((".DQ", ".XQ"))
+        ]  # fmt: skip
+
     def _counts(self) -> tuple[int, int]:
         """Outbox rows pending, and messages ready, in flight or delayed."""
-        import redis
+        from dramatiq_gp.status import outbox_status
 
-        from dramatiq_gp.status import outbox_status, queue_status
-
-        client = redis.Redis.from_url(self.redis.url)
-        try:
-            queues = queue_status(client, self.namespace)
-        finally:
-            client.close()
-        messages = sum(q["ready"] + q["in_flight"] + q["delayed"] for q in queues)
+        messages = sum(q["ready"] + q["in_flight"] + q["delayed"] for q in self._queues())
         return outbox_status(self.engine)["pending"], messages
 
     def _lingering(self, looks: int = 5) -> tuple[int, int]:
@@ -383,15 +460,15 @@ class Soak:
         diagnosis = self._diagnose(lost_orders[:5]) if lost_orders else []
         import redis
 
-        from dramatiq_gp.status import queue_status, skipped_status
+        from dramatiq_gp.status import skipped_status
 
+        queues = self._queues()
         client = redis.Redis.from_url(self.redis.url)
-        queues = queue_status(client, self.namespace)
         stuck = [q for q in queues if q["ready"] + q["in_flight"] + q["delayed"]]
         skipped = skipped_status(client, self.namespace).get("soak.no_such_actor", 0)
         # Dead letters other than those pushed in on purpose: messages that failed every retry.
         dead_letters = sum(q["dead"] for q in queues) - self.garbage - skipped
-        if stuck:  # where the stuck ones are: whose unacked sets, and whether those workers still beat
+        if stuck and self.rabbitmq is None:  # where the stuck ones are: whose unacked sets, do those workers beat
             now = time.time() * 1000
             beats = {
                 k.decode(): now - v
@@ -492,6 +569,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--rate", type=float, default=20, help="orders per second")
+    parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis",
+                        help="where the queues live: rabbitmq starts a 3-node cluster of its own")  # fmt: skip
     parser.add_argument("--keep", type=Path, help="keep the replicas' logs and the servers' files in this directory")
     args = parser.parse_args(argv)
     if args.keep:
@@ -503,10 +582,11 @@ def main(argv: list[str]) -> int:
             print(f"--keep {args.keep}: user {PG_USER}, who runs PostgreSQL for root, cannot reach it; "
                   "keep under a directory it can, e.g. /tmp/soak", file=sys.stderr)  # fmt: skip
             return 2
-        result = Soak(args.minutes, args.rate, args.keep).run()
+        result = Soak(args.minutes, args.rate, args.keep, args.broker).run()
     else:
         with tempfile.TemporaryDirectory(prefix="gp-soak-") as work:
-            result = Soak(args.minutes, args.rate, Path(work)).run()
+            os.chmod(work, 0o755)  # the RabbitMQ nodes run as their own user
+            result = Soak(args.minutes, args.rate, Path(work), args.broker).run()
     print(", ".join(f"{k} {v}" for k, v in result.items() if k != "faults"))
     if args.json:
         print(json.dumps(result))

@@ -348,20 +348,24 @@ class RabbitmqCluster:
     def _up(self) -> list[OwnRabbitmq]:
         return [node for node in self.nodes if node.beam_pid() is not None]
 
-    def queue_info(self, queue: str, *columns: str, vhost: str = "/") -> dict[str, Any]:
-        """``list_queues name columns`` for ``queue``, asked of the first node that answers."""
-        error: Exception = LookupError(f"no node answers for queue {queue!r}")
+    def queues(self, *columns: str, vhost: str = "/") -> list[dict[str, Any]]:
+        """``list_queues name columns``, asked of the first node that answers."""
+        error: Exception = LookupError("no node answers")
         for node in self._up():
             command = ("list_queues", "-p", vhost, "name", *columns, "--formatter", "json")
             done = node.ctl(*command, timeout=30, check=False)
             if done.returncode != 0:
                 error = RuntimeError(done.stdout + done.stderr)
                 continue
-            for row in json.loads(done.stdout or "[]"):
-                if row["name"] == queue:
-                    return dict(row)
-            raise LookupError(f"no queue {queue!r} on {node.node}")
+            return [dict(row) for row in json.loads(done.stdout or "[]")]
         raise error
+
+    def queue_info(self, queue: str, *columns: str, vhost: str = "/") -> dict[str, Any]:
+        """:meth:`queues` for ``queue`` (LookupError when a node answers without it)."""
+        for row in self.queues(*columns, vhost=vhost):
+            if row["name"] == queue:
+                return row
+        raise LookupError(f"no queue {queue!r}")
 
     def leader(self, queue: str, vhost: str = "/") -> str:
         """The node (name) leading the quorum queue ``queue``."""
