@@ -96,17 +96,19 @@ def rabbitmq_queued_ids(url: str) -> list[str]:
             connection.close()
 
 
-def delete_rabbitmq_queues(url: str) -> None:
+def delete_rabbitmq_queues(url: str, queue: str | None = None) -> None:
+    """Delete ``queue`` (the events' queue by default) and its delay and dead-letter queues."""
     import pika
     from dramatiq.common import dq_name, xq_name
 
     from dramatiq_gp.registry import EVENT_QUEUE
 
+    queue = queue or EVENT_QUEUE
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = connection.channel()
-        for queue in (EVENT_QUEUE, dq_name(EVENT_QUEUE), xq_name(EVENT_QUEUE)):
-            channel.queue_delete(queue)
+        for name in (queue, dq_name(queue), xq_name(queue)):
+            channel.queue_delete(name)
     finally:
         connection.close()
 

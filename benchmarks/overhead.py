@@ -34,6 +34,15 @@ nothing in the worker, and watches the queue drain from outside. Variants:
   throwaway virtualenv of its own (``--peers-venv``) only when asked for. Both
   log their per-task INFO lines to a file, like ``kit``.
 
+With ``--broker rabbitmq`` (and ``--rabbitmq-url``) each Dramatiq variant's queue
+is on RabbitMQ: ``bare`` is Dramatiq's ``RabbitmqBroker`` with its defaults (a
+classic queue, no publisher confirms), the others the kit's (quorum queues,
+confirms; Redis keeps only the kit's claims). The queue, named after the run, is
+filled unconfirmed before the worker starts and deleted after it. AMQP counts
+only the messages waiting on a queue, not those a worker has prefetched, so there
+the window runs on the ready count: the prefetched ones are a steady buffer of at
+most the prefetch, beside the thousands counted.
+
 Every variant uses the same prefetch (messages a worker process holds ahead of
 its threads; ``dramatiq_queue_prefetch``). Bare Dramatiq's consumer sleeps through
 a growing backoff whenever its prefetched messages are all outstanding, so a small
@@ -67,12 +76,12 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import redis
 
-from benchmarks.outbox_common import scratch_database
-from benchmarks.overhead_worker import DB_VARIANTS, DRAMATIQ_VARIANTS, IO_VARIANTS, PEERS, outstanding_keys
+from benchmarks.outbox_common import DEFAULT_RABBITMQ_URL, delete_rabbitmq_queues, scratch_database
+from benchmarks.overhead_worker import DB_VARIANTS, DRAMATIQ_VARIANTS, IO_VARIANTS, PEERS, outstanding_keys, queue_name
 from devtools.services import services
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,13 +130,17 @@ def run_one(
     redis_url: str,
     python: str,
     db_url: str | None = None,
+    rabbitmq_url: str | None = None,
 ) -> Run:
     """Run ``variant`` once in a pinned worker process and measure it from here."""
     namespace = f"gpbench-{uuid.uuid4().hex[:8]}"
     client = redis.Redis.from_url(redis_url)
     keys = outstanding_keys(variant, namespace)
+    ready_on_rabbitmq = _ReadyOnRabbitmq(rabbitmq_url, queue_name(namespace, True)) if rabbitmq_url else None
 
     def outstanding() -> int:
+        if ready_on_rabbitmq is not None:
+            return ready_on_rabbitmq()
         with client.pipeline(transaction=False) as pipe:
             for command, key in keys:
                 getattr(pipe, command)(key)
@@ -139,6 +152,8 @@ def run_one(
     if variant in DB_VARIANTS:
         assert db_url is not None
         command += ["--db-url", db_url]
+    if rabbitmq_url is not None:
+        command += ["--rabbitmq-url", rabbitmq_url]
     timeout = 60 + messages / 100
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -191,8 +206,31 @@ def run_one(
             if stale:
                 client.zrem(deadlines, *stale)
             client.close()
+            if ready_on_rabbitmq is not None:
+                ready_on_rabbitmq.close()
+                delete_rabbitmq_queues(ready_on_rabbitmq.url, ready_on_rabbitmq.queue)
     done, wall, cpu = first[1] - last[1], last[0] - first[0], last[2] - first[2]
     return Run(msgs_per_s=done / wall, cpu_us_per_msg=cpu / done * 1e6, core_busy=cpu / wall, rss_mb=rss)
+
+
+class _ReadyOnRabbitmq:
+    """Counts the messages ready on ``queue`` (a passive declare, once the worker has declared it)."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        self.url, self.queue = url, queue
+        self.connection: Any = None
+
+    def __call__(self) -> int:
+        import pika
+
+        if self.connection is None:
+            self.connection = pika.BlockingConnection(pika.URLParameters(self.url))
+            self.channel = self.connection.channel()
+        return int(self.channel.queue_declare(self.queue, passive=True).method.message_count)
+
+    def close(self) -> None:
+        if self.connection is not None and self.connection.is_open:
+            self.connection.close()
 
 
 def _line(label: str, run: Run) -> str:
@@ -250,7 +288,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--peers", action="store_true", help="also run Celery (threads) and arq")
     parser.add_argument("--peers-venv", type=Path, default=Path(tempfile.gettempdir()) / "dramatiq-gp-bench-peers")
     parser.add_argument("--core", type=int, help="the core the workers run on (default: the last one available)")
+    parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis", help="where the queue lives")
+    parser.add_argument("--rabbitmq-url", default=os.environ.get("RABBITMQ_URL", DEFAULT_RABBITMQ_URL))
     args = parser.parse_args(argv)
+    if args.broker == "rabbitmq" and args.peers:
+        parser.error("--peers runs on Redis only")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
@@ -276,7 +318,9 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
     if args.peers:
         python.update({peer: peer_python(args.peers_venv, peer) for peer in PEERS})
         variants += PEERS
-    common = {"threads": args.threads, "core": core, "redis_url": redis_url, "db_url": db_url}
+    rabbitmq_url = args.rabbitmq_url if args.broker == "rabbitmq" else None
+    common = {"threads": args.threads, "core": core, "redis_url": redis_url, "db_url": db_url,
+              "rabbitmq_url": rabbitmq_url}  # fmt: skip
 
     summary: dict[str, object] = {}
     if args.prefetch is None:
@@ -340,7 +384,8 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
     for label in medians:  # async against sync, at the same thread count
         if label.startswith("async_io") and (sync := "sync" + label.removeprefix("async")) in medians:
             summary[f"{label}_ratio"] = round(medians[label].msgs_per_s / medians[sync].msgs_per_s, 3)
-    summary.update(bare_prefetch=prefetch, rounds=args.rounds, messages=args.messages, threads=args.threads)
+    summary.update(broker=args.broker, bare_prefetch=prefetch, rounds=args.rounds, messages=args.messages,
+                   threads=args.threads)  # fmt: skip
 
     print("medians:")
     for variant, run in medians.items():

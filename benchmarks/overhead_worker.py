@@ -35,6 +35,11 @@ PEERS = ("celery_threads", "arq")
 QUEUE = "bench"
 
 
+def queue_name(namespace: str, rabbitmq: bool) -> str:
+    """The benchmark's queue: ``bench`` in the namespace on Redis; on RabbitMQ, which has none, named after it."""
+    return f"{namespace}-{QUEUE}" if rabbitmq else QUEUE
+
+
 def outstanding_keys(variant: str, namespace: str) -> list[tuple[str, str]]:
     """``(command, key)`` pairs whose sum is the messages not yet processed (queued, prefetched or running)."""
     if variant == "celery_threads":  # acks_late: a message stays in the unacked hash until its task has run
@@ -104,6 +109,25 @@ def _fill(broker: Any, messages: list[Any]) -> None:
             pipe.execute()
 
 
+def _fill_rabbitmq(broker: Any, url: str, messages: list[Any]) -> None:
+    """Declare the queue (the broker's way: quorum for the kit), publish ``messages`` unconfirmed, wait for them all."""
+    import time
+
+    import pika
+
+    queue = messages[0].queue_name
+    broker.declare_queue(queue, ensure=True)
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        for message in messages:
+            channel.basic_publish("", queue, message.encode(), pika.BasicProperties(delivery_mode=2))
+        while channel.queue_declare(queue, passive=True).method.message_count < len(messages):
+            time.sleep(0.05)
+    finally:
+        connection.close()
+
+
 def _effects_engine(db_url: str, threads: int) -> Any:
     """An engine with a connection per worker thread, on an empty effects table and an empty inbox."""
     import sqlalchemy as sa
@@ -119,11 +143,25 @@ def _effects_engine(db_url: str, threads: int) -> Any:
 
 
 def run_dramatiq(
-    variant: str, messages: int, threads: int, prefetch: int, namespace: str, redis_url: str, db_url: str | None
+    variant: str,
+    messages: int,
+    threads: int,
+    prefetch: int,
+    namespace: str,
+    redis_url: str,
+    db_url: str | None,
+    rabbitmq_url: str | None = None,
 ) -> None:
-    """A Dramatiq worker (bare or the kit's) with ``prefetch`` per queue; ``bare`` never imports dramatiq_gp."""
+    """A Dramatiq worker (bare or the kit's) with ``prefetch`` per queue; ``bare`` never imports dramatiq_gp.
+
+    With ``rabbitmq_url`` the queue is on RabbitMQ: Dramatiq's ``RabbitmqBroker`` for
+    ``bare``, the kit's (``BROKER_URL``) for the others; Redis keeps the kit's claims.
+    """
     os.environ["dramatiq_queue_prefetch"] = str(prefetch)  # noqa: SIM112 (Dramatiq's spelling, read at import)
     os.environ["REDIS_URL"] = redis_url
+    if rabbitmq_url is not None:
+        os.environ["BROKER_URL"] = rabbitmq_url
+    queue = queue_name(namespace, rabbitmq_url is not None)
     os.environ["LOG_LEVEL"] = "WARN" if variant == "kit_quiet" else "INFO"
     if variant != "traced":
         os.environ.pop("SENTRY_DSN", None)
@@ -133,7 +171,11 @@ def run_dramatiq(
     from dramatiq.brokers.redis import RedisBroker
 
     broker: Any
-    if variant == "bare":
+    if variant == "bare" and rabbitmq_url is not None:
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+        broker = RabbitmqBroker(url=rabbitmq_url)
+    elif variant == "bare":
         broker = RedisBroker(url=redis_url, namespace=namespace)
     else:
         if variant == "traced":
@@ -156,21 +198,21 @@ def run_dramatiq(
             n: int
 
         if variant == "listener":
-            kit.registry.listen(Tick, lambda event: None, name="noop", queue=QUEUE)
+            kit.registry.listen(Tick, lambda event: None, name="noop", queue=queue)
         elif variant == "sync_io":
             import time
 
             def wait_sync(event: Tick) -> None:
                 time.sleep(IO_WAIT_S)
 
-            kit.registry.listen(Tick, wait_sync, name="wait", queue=QUEUE)
+            kit.registry.listen(Tick, wait_sync, name="wait", queue=queue)
         elif variant == "async_io":
             import asyncio
 
             async def wait_async(event: Tick) -> None:
                 await asyncio.sleep(IO_WAIT_S)
 
-            kit.registry.listen(Tick, wait_async, name="wait", queue=QUEUE)
+            kit.registry.listen(Tick, wait_async, name="wait", queue=queue)
         else:
             # One row per message: in a transaction of its own, or in the inbox's (with or without the Redis claim).
             import sqlalchemy as sa
@@ -188,15 +230,18 @@ def run_dramatiq(
                     with engine.begin() as conn:
                         write(event, conn)
 
-                kit.registry.listen(Tick, own_transaction, name="write", queue=QUEUE)
+                kit.registry.listen(Tick, own_transaction, name="write", queue=queue)
             else:
                 claim = {"idempotent": False} if variant == "inbox_noclaim" else {}
-                kit.registry.listen(Tick, write, name="write", queue=QUEUE, inbox=engine, **claim)
+                kit.registry.listen(Tick, write, name="write", queue=queue, inbox=engine, **claim)
         batch = [m for n in range(messages) for m in kit.registry.fan_out(Tick(n), str(uuid.uuid4()))]
     else:
-        actor = dramatiq.actor(noop, broker=broker, queue_name=QUEUE, actor_name="noop")
+        actor = dramatiq.actor(noop, broker=broker, queue_name=queue, actor_name="noop")
         batch = [actor.message(n) for n in range(messages)]
-    _fill(broker, batch)
+    if rabbitmq_url is not None:
+        _fill_rabbitmq(broker, rabbitmq_url, batch)
+    else:
+        _fill(broker, batch)
 
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, worker_threads=threads)
@@ -293,6 +338,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--namespace", required=True)
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--db-url", help="PostgreSQL for the variants that write a row")
+    parser.add_argument("--rabbitmq-url", help="the queue on this RabbitMQ (the Dramatiq variants)")
     args = parser.parse_args(argv)
     os.sched_setaffinity(0, {args.core})  # before any thread starts: every thread inherits it
     if args.variant == "celery_threads":
@@ -300,9 +346,8 @@ def main(argv: list[str]) -> int:
     elif args.variant == "arq":
         run_arq(args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
     else:
-        run_dramatiq(
-            args.variant, args.messages, args.threads, args.prefetch, args.namespace, args.redis_url, args.db_url
-        )
+        run_dramatiq(args.variant, args.messages, args.threads, args.prefetch, args.namespace, args.redis_url,
+                     args.db_url, args.rabbitmq_url)  # fmt: skip
     return 0
 
 

@@ -198,6 +198,7 @@ class Kit:
         )
         worker, rabbitmq = self.settings.worker, self.settings.broker
         options.setdefault("unknown_task_grace_ms", int(worker.unknown_task_grace.total_seconds() * 1000))
+        options.setdefault("settle_window_ms", worker.settle_window.total_seconds() * 1000)
         if rabbitmq.url is not None:
             from .brokers.rabbitmq import RabbitmqBroker
 
@@ -206,7 +207,6 @@ class Kit:
             return RabbitmqBroker(
                 url=urls if len(urls) > 1 else urls[0], client=client, middleware=middleware, **options
             )
-        options.setdefault("settle_window_ms", worker.settle_window.total_seconds() * 1000)
         return RedisBroker(client=client, middleware=middleware, **options)
 
 

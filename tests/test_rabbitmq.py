@@ -163,7 +163,7 @@ def test_an_ack_from_a_closed_channel_never_lands_on_the_message_with_its_tag_on
     second.ack(stale)
     second.close()
     wait_for(lambda: broker.get_queue_message_counts(queue_name)[0] == 3)  # none acked: none ran
-    assert "the channel that delivered it has closed" in caplog.text
+    assert "the channel that delivered them has closed" in caplog.text
 
 
 def test_a_failed_idempotent_attempt_is_retried_through_the_delay_queue_and_a_copy_is_skipped(

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dramatiq import Message, Middleware
 from dramatiq.broker import Broker, MessageProxy
@@ -35,9 +35,13 @@ from ..errors import BrokerMismatch
 if TYPE_CHECKING:
     import redis
 
+    from .settler import Settler
+
 logger = logging.getLogger(__name__)
 
 SETTLEMENT_ATTR = "_gp_settlement"
+#: A message to settle: its queue (the consumer's, a delay queue for a delayed message), it, and the command.
+Settle = tuple[str, MessageProxy, str]
 
 #: Option on a dead-lettered copy saying why it is there.
 DEAD_LETTER_REASON = "gp_dead_letter_reason"
@@ -115,6 +119,8 @@ class KitBroker(Broker):
     namespace: str
     #: How long messages for a task type no actor here handles are held (``WORKER_UNKNOWN_TASK_GRACE``).
     unknown_task_grace_ms: int
+    #: Collects the settles of ``WORKER_SETTLE_WINDOW`` into one call; None settles each at once.
+    settler: Settler[Settle] | None = None
 
     _hook_cache: dict[str, list[Callable[..., Any]]]
     _hooks_for: int
@@ -246,6 +252,20 @@ class KitBroker(Broker):
         """Ack, nack or requeue ``message`` with its :class:`Settlement`, now."""
         raise NotImplementedError
 
+    def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
+        """:meth:`settle`, in the next batch of the settle window (at once without one)."""
+        if self.settler is None:
+            self.settle(queue_name, message, command)
+        else:
+            self.settler.add((queue_name, message, command))
+
+    def flush_settles(self, *, retry: bool = True) -> bool:
+        """Write the settles still waiting for their window; whether they were written.
+
+        Without ``retry``, what did not go through is left to the settler thread, which retries it.
+        """
+        return self.settler is None or self.settler.flush(retry=retry)
+
 
 def kit_broker(broker: Broker, middleware: Middleware) -> KitBroker:
     """``broker``, which ``middleware`` needs to be one of the kit's brokers.
@@ -253,22 +273,11 @@ def kit_broker(broker: Broker, middleware: Middleware) -> KitBroker:
     Raises:
         BrokerMismatch: it is another broker; one line naming both.
     """
-    return require(KitBroker, broker, middleware)
-
-
-B = TypeVar("B", bound=Broker)
-
-
-def require(kind: type[B], broker: Broker, middleware: Middleware) -> B:
-    """``broker``, which ``middleware`` needs to be a ``kind``.
-
-    Raises:
-        BrokerMismatch: it is another broker; one line naming both.
-    """
-    if not isinstance(broker, kind):
+    if not isinstance(broker, KitBroker):
         cls = type(broker)
         raise BrokerMismatch(
-            f"{type(middleware).__name__} needs dramatiq_gp.RedisBroker, not {cls.__module__}.{cls.__qualname__}: "
-            f"build the broker with gp.RedisBroker(...) (it takes RedisBroker's arguments)"
+            f"{type(middleware).__name__} needs dramatiq_gp.RedisBroker or dramatiq_gp.RabbitmqBroker, "
+            f"not {cls.__module__}.{cls.__qualname__}: build the broker with gp.RedisBroker(...) or "
+            f"gp.RabbitmqBroker(...) (they take Dramatiq's arguments)"
         )
     return broker

@@ -24,19 +24,30 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   the delay queue and confirmed, then the idempotency outcome is written to
   Redis (``rabbitmq/record.lua``), then the message is acked. A crash in between
   leaves the message unacked, so it comes back: at least once, never lost.
+* Settles are coalesced (``settle_window_ms``, ``WORKER_SETTLE_WINDOW``, as on
+  Redis; see :mod:`~dramatiq_gp.brokers.settler`): the copies of a window are
+  confirmed, its outcomes written in one Redis call, and its acks handed to each
+  consumer's connection at once.
+* A consumer takes every message pika already holds when one arrives, and hands
+  them to the middleware's ``after_fetch`` together (one round trip for their
+  idempotency claims).
 
 The Dramatiq internals relied on (Dramatiq 2.2, pinned by
 ``tests/test_rabbitmq.py``): ``RabbitmqBroker._build_queue_arguments`` and
-``_declare_xq_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its constructor,
-``__next__`` returning a ``_RabbitmqMessage`` with ``_tag``, ``ack``/``nack``
-by ``_tag`` and ``known_tags``), and the worker settling a message through the
-consumer its queue has *now* (``Worker.consumers[queue].consumer``).
+``_declare_xq_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its constructor
+setting ``connection``, ``channel``, ``iterator`` and ``known_tags``; ``_nack``;
+``close``), ``_RabbitmqMessage(redelivered, tag, message)`` and its ``_tag``, and
+the worker settling a message through the consumer its queue has *now*
+(``Worker.consumers[queue].consumer``), which is why a message carries the
+consumer that delivered it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, Literal
 
@@ -53,7 +64,8 @@ from dramatiq.errors import ConnectionClosed, DecodeError
 from .. import keys
 from ..errors import BrokerUnreachable, ConfigError
 from ..lua import scripts
-from .base import DEAD_LETTER_REASON, KitBroker, decode_cause, malformed, settlement
+from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, settlement
+from .settler import Settler
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +85,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             handles are held before they are skipped (``WORKER_UNKNOWN_TASK_GRACE``).
         queue_type: ``"quorum"`` (replicated; the default) or ``"classic"``.
         confirm_delivery: wait for RabbitMQ's confirm of every send (default on).
+        settle_window_ms: how long the settles of finished messages are collected to
+            be written together (``WORKER_SETTLE_WINDOW``); 0 settles each at once.
         **options: :class:`dramatiq.brokers.rabbitmq.RabbitmqBroker`'s (``url``,
             ``middleware``, ``max_priority`` with classic queues, pika's parameters).
 
@@ -88,6 +102,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         unknown_task_grace_ms: int = 300_000,
         queue_type: str = "quorum",
         confirm_delivery: bool = True,
+        settle_window_ms: float = 1,
         **options: Any,
     ) -> None:
         if queue_type not in QUEUE_TYPES:
@@ -100,43 +115,86 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self.namespace = namespace
         self.unknown_task_grace_ms = unknown_task_grace_ms
         self._record = self.client.register_script(_SCRIPTS["record"])
+        if settle_window_ms > 0:
+            self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000,
+                                   retry_on=(ConnectionClosed,))  # fmt: skip
 
     def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
         """Enqueue ``messages`` one by one, each confirmed by RabbitMQ before the next."""
         return [self.enqueue(message) for message in messages]
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        """Ack, nack or requeue ``message``: its copy confirmed first, then its outcome recorded, then it.
+        """Ack, nack or requeue ``message`` now (see :meth:`_write_settles`).
 
         Raises:
             ConnectionClosed: RabbitMQ or Redis did not take a step; the message stays
                 unacked (Dramatiq tries again; a closed channel gives it back).
         """
-        plan = settlement(message)
-        if plan is not None and plan.redeliver is not None:
+        self._write_settles([(queue_name, message, command)])
+
+    def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
+        """:meth:`settle` in the next batch of the settle window; a plain ack or nack at once.
+
+        A message with nothing to record or publish costs no round trip to settle,
+        so collecting it would only add the hand-over to the settler's thread.
+        """
+        consumer: _Consumer | None = getattr(message, "_consumer", None)
+        if settlement(message) is None and consumer is not None:
+            consumer.settle_on_channel([(message, command)])
+        else:
+            super().settle_soon(queue_name, message, command)
+
+    def _write_settles(self, batch: Sequence[Settle]) -> None:
+        """Settle ``batch``: every copy published and confirmed, then every outcome in one call, then the acks.
+
+        Raises:
+            ConnectionClosed: RabbitMQ or Redis did not take a step, and nothing after
+                it happened. The batch can be written again: a copy already
+                confirmed is not sent twice, and an outcome written twice is the same.
+        """
+        for _, message, command in batch:
+            plan = settlement(message)
+            if plan is None or plan.redeliver is None:
+                continue
             copy = plan.redeliver
             if command != "requeue":
-                self._publish(copy)  # raises, keeping the copy for the settle tried again
-            # Sent, or put back as it was (it runs again itself): a settle tried again sends no copy.
+                self._publish(copy)  # raises, keeping the copy for the batch tried again
+            # Sent, or put back as it was (it runs again itself): the batch tried again sends no copy.
             plan.redeliver = None
             if command == "requeue":
                 self.send_failed(copy, None)
             else:
                 self.emit_after("enqueue", copy, plan.delay_ms)
-        if plan is not None and plan.key:
+        record_keys: list[str] = []
+        record_args: list[Any] = []
+        for _, message, _ in batch:
+            plan = settlement(message)
+            if plan is not None and plan.key:
+                record_keys.append(plan.key)
+                record_args += [plan.outcome, plan.token, plan.retention_ms]
+        if record_keys:
             try:
-                self._record(keys=[plan.key], args=[plan.outcome, plan.token, plan.retention_ms])
-            except redis.ConnectionError as exc:
+                self._record(keys=record_keys, args=record_args)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
-        consumer: _Consumer | None = getattr(message, "_consumer", None)
-        if consumer is not None:
-            consumer.settle_on_channel(message, command)
+        by_consumer: dict[_Consumer, list[tuple[Any, str]]] = {}
+        for _, message, command in batch:
+            consumer: _Consumer | None = getattr(message, "_consumer", None)
+            if consumer is not None:
+                by_consumer.setdefault(consumer, []).append((message, command))
+        for consumer, settles in by_consumer.items():
+            consumer.settle_on_channel(settles)
 
-    def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        self.settle(queue_name, message, command)
-
-    def flush_settles(self, *, retry: bool = True) -> bool:
-        return True
+    def _settle_failed(self, batch: Sequence[Settle], error: BaseException) -> None:
+        """A batch that can never be written: its unsent copies reported, its messages put back to run again."""
+        for _, message, _ in batch:
+            plan = settlement(message)
+            if plan is not None and plan.redeliver is not None:
+                self.send_failed(plan.redeliver, error)
+            consumer: _Consumer | None = getattr(message, "_consumer", None)
+            if consumer is not None:
+                with contextlib.suppress(ConnectionClosed):  # its channel is gone, which puts it back
+                    consumer.settle_on_channel([(message, "requeue")])
 
     def _publish(self, copy: Message[Any]) -> None:
         """Publish an already announced ``copy`` on its queue, confirmed."""
@@ -184,6 +242,11 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self.settle(queue_name, message, "ack")
 
     def close(self) -> None:
+        if not self.flush_settles(retry=False):
+            logger.warning(
+                "%d settle(s) could not be written as the broker closed; those messages run again",
+                self.settler.pending if self.settler else 0,
+            )
         super().close()
         self.client.close()
 
@@ -215,22 +278,59 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
 
 
 class _Consumer(_RabbitmqConsumer):
-    """Dramatiq's RabbitMQ consumer, settling through the broker, on the channel that delivered the message."""
+    """Dramatiq's RabbitMQ consumer, reading what has arrived at once, settling on the channel that delivered it.
+
+    Every message pika holds when one arrives is taken with it and handed to the
+    middleware's ``after_fetch`` together, as the Redis consumer hands a fetched
+    batch: the idempotency claims of those messages take one round trip, and
+    strict queue weights learn whether the queue still has a backlog (a wait that
+    ends with nothing, after ``worker_timeout``, says it has none).
+    """
 
     broker: RabbitmqBroker
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)  # type: ignore[no-untyped-call]
+        self._ready: deque[Any] = deque()
+
     def __next__(self) -> Any:
-        """Dramatiq's, except that a message that cannot be decoded or is malformed goes to the
-        dead-letter queue with one error line (Dramatiq logs a traceback, and takes a malformed
-        one to a worker thread)."""
+        if self._ready:
+            return self._ready.popleft()
+        accepted = []
+        for method, body in self._arrived():
+            message = self._accept(method, body)
+            if message is not None:
+                accepted.append(message)
+        for hook in self.broker.hooks("after_fetch"):
+            hook(self.broker, self.queue_name, accepted)
+        if not accepted:
+            return None
+        self._ready.extend(accepted[1:])
+        return accepted[0]
+
+    def _arrived(self) -> list[tuple[Any, bytes]]:
+        """The next message (waiting up to the timeout), and every one pika already holds after it."""
         try:
             method, _properties, body = next(self.iterator)
             if method is None:
-                return None
+                return []
+            arrived = [(method, body)]
+            for _ in range(self.channel.get_waiting_message_count()):
+                method, _properties, body = next(self.iterator)  # there: no wait
+                arrived.append((method, body))
+            return arrived
         except (AssertionError, pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             if getattr(exc, "reply_code", None) == 404:  # the queue is gone: declare it again
                 self.broker.queues_pending.add(q_name(self.queue_name))
+            # What arrived with it is unacked on this channel, which closes with the consumer: it comes back.
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+    def _accept(self, method: Any, body: bytes) -> Any:
+        """The message for the worker threads, or None: set aside (undecodable, malformed) or held (unknown type).
+
+        Dramatiq logs a traceback for an undecodable message, and takes a malformed
+        one to a worker thread; here it goes to the dead-letter queue with one error line.
+        """
         try:
             message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, Message.decode(body))  # type: ignore[no-untyped-call]
             problem = malformed(message)
@@ -252,31 +352,61 @@ class _Consumer(_RabbitmqConsumer):
         return message
 
     def ack(self, message: Any) -> None:
-        self.broker.settle(self.queue_name, message, "ack")
+        self.broker.settle_soon(self.queue_name, message, "ack")
 
     def nack(self, message: Any) -> None:
-        self.broker.settle(self.queue_name, message, "nack")
+        self.broker.settle_soon(self.queue_name, message, "nack")
 
     def dead_letter(self, message: Any, reason: str) -> None:
         self.broker.dead_letter(self.queue_name, message, reason)
 
-    def settle_on_channel(self, message: Any, command: str) -> None:
-        """Ack, nack (to the dead-letter queue) or put back ``message``, which this consumer delivered."""
+    def requeue(self, messages: Iterable[Any]) -> None:
+        """Put back what the worker fetched and did not start; a claimed one's claim is released first.
+
+        Dramatiq's is a no-op (a closing channel gives its unacked messages back),
+        but a message claimed as it was fetched would then wait for its claim to lapse.
+        """
+        for message in messages:
+            if settlement(message) is not None:
+                self.broker.settle(self.queue_name, message, "requeue")
+
+    def close(self) -> None:
+        """Hand over the pending settles first: a graceful stop leaves nothing to run again."""
+        self.broker.flush_settles(retry=False)
+        super().close()  # type: ignore[no-untyped-call]
+
+    def settle_on_channel(self, settles: Sequence[tuple[Any, str]]) -> None:
+        """Ack, nack (to the dead-letter queue) or put back (``"requeue"``) messages this consumer delivered.
+
+        They go to the connection's thread in one hand-over.
+        """
         if self.connection.is_closed:
-            # Its channel closed with it: RabbitMQ has put the message back.
+            # Its channel closed with it: RabbitMQ has put the messages back.
             logger.warning(
-                "not settling message %s of queue %r: the channel that delivered it has closed, "
-                "so RabbitMQ has put it back and it will run again",
-                message.message_id, self.queue_name,
+                "not settling %d message(s) of queue %r (%s): the channel that delivered them has closed, "
+                "so RabbitMQ has put them back and they will run again",
+                len(settles), self.queue_name, ", ".join(message.message_id for message, _ in settles),
             )  # fmt: skip
             return
-        if command == "ack":
-            super().ack(message)  # type: ignore[no-untyped-call]
-        elif command == "nack":
-            super().nack(message)  # type: ignore[no-untyped-call]
-        else:
-            try:
-                self.known_tags.discard(message._tag)
-                self.connection.add_callback_threadsafe(partial(self.channel.basic_nack, message._tag, requeue=True))
-            except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
-                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        calls = []
+        for message, command in settles:
+            if message._tag not in self.known_tags:
+                logger.warning("not settling message %s of queue %r: already settled", message.message_id,
+                               self.queue_name)  # fmt: skip
+                continue
+            self.known_tags.discard(message._tag)
+            if command == "ack":
+                calls.append(partial(self.channel.basic_ack, message._tag))
+            else:
+                calls.append(partial(self.channel.basic_nack, message._tag, requeue=command == "requeue"))
+        if not calls:
+            return
+        try:
+            self.connection.add_callback_threadsafe(partial(_call_each, calls))
+        except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+
+def _call_each(calls: Sequence[Callable[[], Any]]) -> None:
+    for call in calls:
+        call()

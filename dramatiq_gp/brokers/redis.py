@@ -77,8 +77,8 @@ from typing import Any
 from uuid import uuid4
 
 import redis
-from dramatiq import Message, Middleware, get_encoder
-from dramatiq.broker import Broker, MessageProxy
+from dramatiq import Message, get_encoder
+from dramatiq.broker import MessageProxy
 from dramatiq.brokers.redis import RedisBroker as DramatiqRedisBroker
 from dramatiq.brokers.redis import _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis, q_name
@@ -90,9 +90,9 @@ from ..lua import scripts
 from .base import (
     DEAD_LETTER_REASON,
     KitBroker,
+    Settle,
     decode_cause,
     malformed,
-    require,
     settlement,
 )
 from .settler import Settler
@@ -100,19 +100,6 @@ from .settler import Settler
 logger = logging.getLogger(__name__)
 
 _SCRIPTS = scripts(__file__)
-
-
-#: A message to settle: its queue (the consumer's, a delay queue for a delayed message), it, and the command.
-_Settle = tuple[str, MessageProxy, str]
-
-
-def redis_broker(broker: Broker, middleware: Middleware) -> RedisBroker:
-    """``broker``, which ``middleware`` needs to be a :class:`RedisBroker` (it works on Redis's queue keys).
-
-    Raises:
-        BrokerMismatch: it is another broker; one line naming both.
-    """
-    return require(RedisBroker, broker, middleware)
 
 
 class RedisBroker(KitBroker, DramatiqRedisBroker):
@@ -134,7 +121,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         self._hooks_for = 0  # how many middleware the cache was built for
         super().__init__(**options)  # type: ignore[no-untyped-call]
         self.unknown_task_grace_ms = unknown_task_grace_ms
-        self.settler: Settler[_Settle] | None = None
+        self.settler: Settler[Settle] | None = None
         if settle_window_ms > 0:
             self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000)
         self._scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
@@ -251,20 +238,6 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
             raise
 
-    def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        """:meth:`settle`, in the next batch of the settle window (at once without one)."""
-        if self.settler is None:
-            self.settle(queue_name, message, command)
-        else:
-            self.settler.add((queue_name, message, command))
-
-    def flush_settles(self, *, retry: bool = True) -> bool:
-        """Write the settles still waiting for their window; whether they were written.
-
-        Without ``retry``, what Redis did not take is left to the settler thread, which retries it.
-        """
-        return self.settler is None or self.settler.flush(retry=retry)
-
     def close(self) -> None:
         if not self.flush_settles(retry=False):
             logger.warning(
@@ -273,7 +246,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             )  # fmt: skip
         super().close()
 
-    def _write_settles(self, batch: Sequence[_Settle]) -> None:
+    def _write_settles(self, batch: Sequence[Settle]) -> None:
         """Settle every message of ``batch`` in one Lua call (``settle.lua``), then announce their copies.
 
         Writing a batch again changes nothing (an id already settled is left
@@ -312,7 +285,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             else:
                 self.emit_after("enqueue", plan.redeliver, plan.delay_ms)
 
-    def _settle_failed(self, batch: Sequence[_Settle], error: BaseException) -> None:
+    def _settle_failed(self, batch: Sequence[Settle], error: BaseException) -> None:
         for _, message, _ in batch:
             plan = settlement(message)
             if plan is not None and plan.redeliver is not None:

@@ -1,4 +1,4 @@
-"""Coalesced settles: the acks of a few milliseconds written in one Redis call.
+"""Coalesced settles: the acks of a few milliseconds written in one call.
 
 Dramatiq acks each message with a round trip of its own, from the worker thread
 that ran it: a request, a wait and a reply per message, the largest per-message
@@ -20,6 +20,11 @@ What that changes, and what it does not:
 * when Redis does not answer, the settler retries once a second (Dramatiq's
   worker threads retry an ack the same way), so a settle is never dropped while
   the worker lives; the worker threads go on meanwhile.
+
+On RabbitMQ (:class:`~dramatiq_gp.brokers.rabbitmq.RabbitmqBroker`) a batch is
+the retry copies published and confirmed, then the outcomes in one Redis round
+trip, then the acks, one hand-over per consumer; a killed worker's unsettled
+messages come back as soon as its connection closes.
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ RETRY_S = 1.0
 class Settler(Generic[T]):
     """Collects entries and hands them to ``write`` in batches, at most ``window_s`` after the first.
 
-    ``write`` gets every entry collected so far, in order; it raises
-    ``redis.ConnectionError`` or ``redis.TimeoutError`` when Redis did not answer
-    (the batch is retried: writing it twice does nothing more than once) and
-    anything else when the batch can never be written (it is given to ``give_up``).
+    ``write`` gets every entry collected so far, in order; it raises one of
+    ``retry_on`` (by default ``redis.ConnectionError`` and ``redis.TimeoutError``)
+    when the batch did not go through (it is retried: writing it twice does
+    nothing more than once) and anything else when the batch can never be written
+    (it is given to ``give_up``).
     """
 
     def __init__(
@@ -55,8 +61,10 @@ class Settler(Generic[T]):
         give_up: Callable[[list[T], BaseException], None],
         *,
         window_s: float,
+        retry_on: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError),
     ) -> None:
         self.window_s = window_s
+        self._retry_on = retry_on
         self._write = write
         self._give_up = give_up
         self._pending: list[T] = []
@@ -79,11 +87,11 @@ class Settler(Generic[T]):
     def flush(self, *, retry: bool = True) -> bool:
         """Write every pending entry now; whether they were written.
 
-        With ``retry`` it keeps trying, once a second, until Redis takes them.
-        Without, what Redis did not take goes back to wait for the settler
+        With ``retry`` it keeps trying, once a second, until they go through.
+        Without, what did not go through goes back to wait for the settler
         thread's next try. Between tries nothing is held, so a flush without
-        ``retry`` (a consumer closing, the broker closing) never waits on Redis
-        for longer than one attempt.
+        ``retry`` (a consumer closing, the broker closing) never waits for
+        longer than one attempt.
         """
         while True:
             with self._writing:
@@ -93,24 +101,23 @@ class Settler(Generic[T]):
                     return True
                 try:
                     self._write(batch)
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except self._retry_on as exc:
                     with self._lock:
                         self._pending[:0] = batch
-                    error: Exception | None = exc
+                    error: BaseException | None = exc
                 except Exception as exc:
-                    logger.exception("could not settle %d message(s); they run again after the heartbeat timeout",
-                                     len(batch))  # fmt: skip
+                    logger.exception("could not settle %d message(s); they run again", len(batch))
                     self._give_up(batch, exc)
                     return True
                 else:
                     if self._failing:
                         self._failing = False
-                        logger.warning("settled %d message(s) held back while Redis did not answer", len(batch))
+                        logger.warning("settled %d message(s) held back while they could not be", len(batch))
                     return True
             if not self._failing:
                 self._failing = True
                 logger.warning(
-                    "could not settle %d message(s): %s; retrying every %.0f s until Redis answers",
+                    "could not settle %d message(s): %s; retrying every %.0f s until they go through",
                     len(batch), error, RETRY_S,
                 )  # fmt: skip
             if not retry:

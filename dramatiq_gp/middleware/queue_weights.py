@@ -2,8 +2,9 @@
 
 Dramatiq runs one consumer per queue, all feeding one in-process priority queue,
 so a burst on one queue crowds out the rest. At worker boot this middleware
-swaps that queue for a :class:`WeightedQueue` holding one heap per Redis queue
-(actor priority still orders each heap), and sets each consumer's prefetch.
+swaps that queue for a :class:`WeightedQueue` holding one heap per queue
+(actor priority still orders each heap), and sets each consumer's prefetch (on
+RabbitMQ, the consumer's ``basic.qos`` prefetch count).
 
 * **Weighted** (default): a free worker thread takes its next message by smooth
   weighted round robin among the queues that have one ready, so with
@@ -14,7 +15,8 @@ swaps that queue for a :class:`WeightedQueue` holding one heap per Redis queue
   not run dry between fetches and hand its turns to a light queue.
 * **Strict** (``WORKER_STRICT_PRIORITY=true``): the heaviest queue with a message
   ready goes first, and a lighter queue's message starts only when every heavier
-  queue's last fetch from Redis came back empty. Lighter queues prefetch one
+  queue's last fetch came back empty (on RabbitMQ: its consumer waited
+  ``worker_timeout``, a second by default, and nothing came). Lighter queues prefetch one
   message, so little of them sits hidden from other replicas.
 
 Weights count messages started, per process.
@@ -34,8 +36,7 @@ from dramatiq import Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 
-from ..brokers.base import KitBroker
-from ..brokers.redis import redis_broker
+from ..brokers.base import KitBroker, kit_broker
 from ..errors import one_line_at_start_up
 
 #: Prefetch per queue is this many messages per worker thread, times the queue's share.
@@ -43,7 +44,7 @@ PREFETCH_PER_THREAD = 8
 
 
 class WeightedQueue(queue.Queue[Any]):
-    """Dramatiq's work queue with one heap per Redis queue, served by weight (see the module docstring).
+    """Dramatiq's work queue with one heap per queue, served by weight (see the module docstring).
 
     Parameters:
         weights: queue name to weight; a queue not named weighs 1.
@@ -53,7 +54,7 @@ class WeightedQueue(queue.Queue[Any]):
     def __init__(self, weights: Mapping[str, int], *, strict: bool = False) -> None:
         self.weights = dict(weights)
         self.strict = strict
-        #: Whether each queue's last fetch from Redis returned messages (strict mode).
+        #: Whether each queue's last fetch returned messages (strict mode).
         self.backlog: dict[str, bool] = {}
         super().__init__()
 
@@ -140,8 +141,8 @@ class QueueWeights(Middleware):
     Hooks: ``before_worker_boot`` (replaces ``worker.work_queue``, a Dramatiq
     internal), ``after_consumer_thread_boot`` (sets each consumer's ``prefetch``),
     and, in strict mode, the broker's ``after_fetch`` (whether a queue still has a
-    backlog in Redis), so strict mode refuses any broker but
-    :class:`dramatiq_gp.RedisBroker`. Weighted mode works on any broker.
+    backlog), so strict mode refuses any broker but the kit's (``RedisBroker``,
+    ``RabbitmqBroker``). Weighted mode works on any broker.
 
     Parameters:
         weights: ``WORKER_QUEUES`` as a mapping; queues with actors but not named get weight 1.
@@ -158,7 +159,7 @@ class QueueWeights(Middleware):
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         if self.strict:
-            redis_broker(broker, self)
+            kit_broker(broker, self)
         consumed = {q for q in broker.get_declared_queues() if not q.endswith(".DQ")}
         if worker.consumer_whitelist:  # dramatiq --queues still decides what this process consumes
             consumed &= set(worker.consumer_whitelist)

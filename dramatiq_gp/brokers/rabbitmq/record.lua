@@ -1,10 +1,13 @@
--- Records an idempotency outcome before the message is settled on RabbitMQ.
--- KEYS: the idempotency key.
--- ARGV: outcome ("done" marks the id completed, "release" frees this attempt's claim),
---       the claim's token, retention ms.
-if ARGV[1] == "done" then
-    redis.call("set", KEYS[1], "done", "PX", ARGV[3])
-elseif ARGV[1] == "release" and redis.call("get", KEYS[1]) == ARGV[2] then
-    redis.call("del", KEYS[1])
+-- Records the idempotency outcomes of a batch of messages before they are settled on RabbitMQ.
+-- KEYS: the idempotency keys.
+-- ARGV: for each key in turn, the outcome ("done" marks the id completed, "release" frees
+--       this attempt's claim), the claim's token, and the retention in ms.
+for i, key in ipairs(KEYS) do
+    local outcome, token = ARGV[3 * i - 2], ARGV[3 * i - 1]
+    if outcome == "done" then
+        redis.call("set", key, "done", "PX", ARGV[3 * i])
+    elseif outcome == "release" and redis.call("get", key) == token then
+        redis.call("del", key)
+    end
 end
-return 1
+return #KEYS
