@@ -125,6 +125,25 @@ def _as_rabbitmq(command: list[str], env: dict[str, str]) -> list[str]:
     return [*prefix, "env", "-i", *(f"{key}={value}" for key, value in env.items()), *command]
 
 
+def _ctl(node: str, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``rabbitmqctl -n node args`` (``check``: raise, with its output, when it fails)."""
+    command = _as_rabbitmq([str(_rabbitmq_program("rabbitmqctl")), "-n", node, *args], {})
+    done = subprocess.run(command, cwd="/", capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl -n {node} {' '.join(args)}: {done.stdout}{done.stderr}".strip())
+    return done
+
+
+#: The machine's own node, the RabbitMQ at 127.0.0.1:5672.
+LOCAL_NODE = "rabbit@localhost"
+
+
+def rabbitmq_ctl(*args: str) -> str:
+    """The output of ``rabbitmqctl args`` on the machine's own node; skips the test where it cannot be run."""
+    skip_without_rabbitmq()
+    return _ctl(LOCAL_NODE, *args).stdout
+
+
 _ports_given: set[int] = set()
 
 
@@ -198,12 +217,7 @@ class OwnRabbitmq:
         }
 
     def ctl(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """``rabbitmqctl -n NODE args`` (``check``: raise, with its output, when it fails)."""
-        command = _as_rabbitmq([str(_rabbitmq_program("rabbitmqctl")), "-n", self.node, *args], {})
-        done = subprocess.run(command, cwd="/", capture_output=True, text=True, timeout=timeout)
-        if check and done.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl -n {self.node} {' '.join(args)}: {done.stdout}{done.stderr}".strip())
-        return done
+        return _ctl(self.node, *args, timeout=timeout, check=check)
 
     @property
     def running(self) -> bool:

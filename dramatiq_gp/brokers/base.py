@@ -119,6 +119,10 @@ class KitBroker(Broker):
     namespace: str
     #: How long messages for a task type no actor here handles are held (``WORKER_UNKNOWN_TASK_GRACE``).
     unknown_task_grace_ms: int
+    #: Messages a weighted queue's consumer holds per worker thread (``QueueWeights``), times the
+    #: queue's share: enough that its buffer does not run dry between fetches, which would hand
+    #: its turns to a lighter queue.
+    prefetch_per_thread = 8
     #: Collects the settles of ``WORKER_SETTLE_WINDOW`` into one call; None settles each at once.
     settler: Settler[Settle] | None = None
 

@@ -39,7 +39,8 @@ from dramatiq.common import q_name
 from ..brokers.base import KitBroker, kit_broker
 from ..errors import one_line_at_start_up
 
-#: Prefetch per queue is this many messages per worker thread, times the queue's share.
+#: Prefetch per queue is this many messages per worker thread, times the queue's share (on
+#: the kit's brokers, their ``prefetch_per_thread``).
 PREFETCH_PER_THREAD = 8
 
 
@@ -154,6 +155,7 @@ class QueueWeights(Middleware):
         self.weights = dict(weights)
         self.strict = strict
         self._threads = 8
+        self._per_thread = PREFETCH_PER_THREAD
         self._work_queue: WeightedQueue | None = None
 
     @one_line_at_start_up
@@ -172,6 +174,8 @@ class QueueWeights(Middleware):
         weights = {**dict.fromkeys(unlisted, 1), **{q: w for q, w in self.weights.items() if q in consumed}}
         self.weights = weights
         self._threads = worker.worker_threads
+        if isinstance(broker, KitBroker):
+            self._per_thread = broker.prefetch_per_thread
         self._work_queue = WeightedQueue(weights, strict=self.strict)
         worker.work_queue = self._work_queue  # type: ignore[assignment]
         mode = "strict priority" if self.strict else "weighted"
@@ -195,4 +199,4 @@ class QueueWeights(Middleware):
             return max(2, 2 * self._threads) if weights[name] == top else 1
         total = sum(weights.values()) or 1
         share = (weights[name] or 1) / total
-        return max(2, math.ceil(PREFETCH_PER_THREAD * self._threads * share))
+        return max(2, math.ceil(self._per_thread * self._threads * share))
