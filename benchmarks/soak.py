@@ -370,7 +370,8 @@ class Soak:
 
         On RabbitMQ, from ``rabbitmqctl``: ``in_flight`` is what is unacknowledged on
         the queue and ``delayed`` what is ready or unacknowledged on its delay queue
-        (a delayed message waits unacknowledged in a worker).
+        (a delayed message waits unacknowledged in a worker). A quorum queue's figures
+        there are refreshed every 5 s (the statistics interval), not at once.
         """
         if self.rabbitmq is None:
             import redis
@@ -407,12 +408,13 @@ class Soak:
 
         The scheduler's entries keep firing every second, and a worker acks a finished
         message up to ``WORKER_SETTLE_WINDOW`` later: one look can catch a tick in flight.
+        On RabbitMQ the looks span more than one refresh of its figures.
         """
         pending, messages = self._counts()
         for _ in range(looks - 1):
             if not messages:
                 break
-            time.sleep(0.5)
+            time.sleep(0.5 if self.rabbitmq is None else 2)
             pending, messages = self._counts()
         return pending, messages
 

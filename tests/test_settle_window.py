@@ -1,4 +1,8 @@
-"""Coalesced settles: a window's acks go to Redis in one call, a stop writes them, a kill -9 loses none."""
+"""Coalesced settles: a window's acks go to Redis in one call, a stop writes them, a kill -9 loses none.
+
+On RabbitMQ: a window's idempotency outcomes go to Redis in one call, and a stop acks
+what is waiting for its window (it does not come back).
+"""
 
 from __future__ import annotations
 
@@ -19,14 +23,15 @@ from dramatiq import Message
 from dramatiq.brokers.redis import RedisBroker
 
 from apps.replica import Replica
+from dramatiq_gp.brokers import rabbitmq as rabbitmq_broker
 from dramatiq_gp.brokers.redis import _SCRIPTS
 from helpers import wait_for
 from servers import OwnRedis
 
 
-def _settle_calls(server: OwnRedis, run: Callable[[], None]) -> int:
-    """How many times ``run()`` made Redis run the kit's settle script (seen through MONITOR)."""
-    sha = hashlib.sha1(_SCRIPTS["settle"].encode()).hexdigest()
+def _settle_calls(server: OwnRedis, run: Callable[[], None], script: str = _SCRIPTS["settle"]) -> int:
+    """How many times ``run()`` made Redis run ``script`` (the kit's settle script; seen through MONITOR)."""
+    sha = hashlib.sha1(script.encode()).hexdigest()
     client = redis.Redis.from_url(server.url)
     seen: list[str] = []
     with client.monitor() as monitor:
@@ -165,3 +170,59 @@ def test_a_stop_while_redis_is_away_does_not_wait_for_it(tmp_path, make_kit, sta
         assert "could not be written as the broker closed" in caplog.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+# With a window: the first, one for what RabbitMQ delivered after it began, and the stop's.
+@pytest.mark.parametrize(("window", "most_calls"), [("300ms", 3), ("0", 20)])
+def test_on_rabbitmq_the_outcomes_of_one_window_go_to_redis_in_one_call(
+    broker, window, most_calls, tmp_path, make_kit, start_worker
+):
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    try:
+        kit = make_kit(env={"REDIS_URL": server.url, "WORKER_SETTLE_WINDOW": window})
+        ran: list[int] = []
+
+        @dramatiq.actor(broker=kit.broker, actor_name="quick", idempotent=True)
+        def quick(n: int) -> None:
+            ran.append(n)
+
+        for n in range(20):
+            quick.send(n)
+
+        def run_all() -> None:
+            worker = start_worker(kit)
+            wait_for(lambda: len(ran) == 20)
+            worker.stop()
+
+        calls = _settle_calls(server, run_all, rabbitmq_broker._SCRIPTS["record"])
+        assert sorted(ran) == list(range(20))
+        assert 1 <= calls <= most_calls, calls
+        if window == "0":
+            assert calls == 20, calls
+        assert kit.broker.get_queue_message_counts("default") == (0, 0, 0)  # none put back
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_on_rabbitmq_a_stop_acks_what_waits_for_its_window(broker, make_kit, start_worker, namespace):
+    # A window longer than WORKER_SETTLE_WINDOW allows, and than rabbitmqctl takes to start.
+    kit = make_kit(broker_options={"namespace": namespace, "settle_window_ms": 10_000})
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=kit.broker, actor_name="quick", idempotent=True)
+    def quick() -> None:
+        ran.append(1)
+
+    quick.send()
+    worker = start_worker(kit)
+    wait_for(lambda: ran == [1])
+    time.sleep(0.1)
+    assert kit.broker.settler is not None and kit.broker.settler.pending == 1  # done, its ack waits
+    worker.stop()
+    assert kit.broker.settler.pending == 0
+    # Acked: a channel closing with it unacked would have put it back.
+    assert kit.broker.get_queue_message_counts("default") == (0, 0, 0)
+    assert ran == [1]
