@@ -11,6 +11,8 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   ``max_priority`` needs classic queues, and is refused in one line otherwise.
 * **Publisher confirms** are on by default (``confirm_delivery=True``): a send
   returns once RabbitMQ has taken the message, not when it left the socket.
+  :meth:`RabbitmqBroker.enqueue_many` (the outbox relay's) publishes a batch at
+  once and then awaits all its confirms (:mod:`~dramatiq_gp.brokers.publisher`).
 * **An ack or nack goes to the channel that delivered the message**, or nowhere.
   Delivery tags are numbered per channel from 1; after a reconnect Dramatiq acks
   a message fetched on the old channel with the *new* consumer, where the same
@@ -65,6 +67,7 @@ from .. import keys
 from ..errors import BrokerUnreachable, ConfigError
 from ..lua import scripts
 from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, settlement
+from .publisher import BatchPublisher, NotConfirmed
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
@@ -127,8 +130,46 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                                    retry_on=(ConnectionClosed,))  # fmt: skip
 
     def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
-        """Enqueue ``messages`` one by one, each confirmed by RabbitMQ before the next."""
-        return [self.enqueue(message) for message in messages]
+        """Publish ``messages`` at once and return when RabbitMQ has confirmed them all (:mod:`.publisher`).
+
+        Raises:
+            ConnectionClosed: some were not confirmed (every one is reported as not
+                sent; the caller sends the batch again, copies sharing their ids).
+        """
+        if len(messages) <= 1:
+            return [self.enqueue(message) for message in messages]
+        for message in messages:
+            self.emit_before("enqueue", message, None)
+        queues = {q_name(message.queue_name) for message in messages}
+        try:
+            for queue in queues:
+                self.declare_queue(queue, ensure=True)
+            self._batch_publisher().publish([
+                (message.queue_name, message.encode(),
+                 pika.BasicProperties(delivery_mode=2, priority=message.options.get("broker_priority")))
+                for message in messages
+            ])  # fmt: skip
+        except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
+            del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
+            if isinstance(exc, NotConfirmed):  # a queue may be gone: declare them again
+                self.queues_pending.update(queues)
+            for message in messages:
+                self.send_failed(message, exc)
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        except BaseException as exc:
+            for message in messages:
+                self.send_failed(message, exc)
+            raise
+        for message in messages:
+            self.emit_after("enqueue", message, None)
+        return list(messages)
+
+    def _batch_publisher(self) -> BatchPublisher:
+        """This thread's :class:`BatchPublisher`, on this thread's connection."""
+        publisher: BatchPublisher | None = getattr(self.state, "publisher", None)
+        if publisher is None or not publisher.usable or publisher.connection is not self.connection:
+            publisher = self.state.publisher = BatchPublisher(self.connection)
+        return publisher
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message`` now (see :meth:`_write_settles`).
