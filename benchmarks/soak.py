@@ -28,7 +28,8 @@ When the time is up the load stops, the system settles, and the ledger is read:
   ``task skipped: already applied (inbox)`` lines in the replicas' logs);
 * ``ticks_missed`` / ``ticks_duplicated``: seconds from the first tick of each
   entry (the ``soak.tick`` job, the ``soak.beat`` event) to the end of the load
-  with no run, and ticks run more than once;
+  with no run, and ticks applied more than once (each entry records its ticks
+  through the inbox);
 * ``stuck_messages``: messages still ready, in flight or delayed after settling (on
   RabbitMQ: ready or unacknowledged on a queue or delay queue), and
   ``dead_letters``: messages dead-lettered other than the garbage pushed in and the

@@ -12,8 +12,10 @@ shop's own listeners are (see :mod:`benchmarks.soak_tables`):
   run has just committed deletes it and SIGKILLs itself, from
   ``after_process_message`` (before the ack is handed to the settler);
 * ``soak.tick``, an ``@every 1s`` job, and ``soak.beat``, an ``@every 1s`` event
-  with one listener, each recording its runs under the tick, so a tick missed or
-  run twice shows up.
+  with one listener, each recording its runs under the tick in its inbox
+  transaction, so a tick missed, or applied twice, shows up. (Without the inbox a
+  worker killed between a tick's commit and its ack runs that tick again, at least
+  once as any task: a 2-minute ``make chaos`` run hit that window once.)
 """
 
 from __future__ import annotations
@@ -75,28 +77,27 @@ class KillAfterInboxCommit(Middleware):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def record_tick(entry: str, scheduled_at: datetime) -> None:
-    with deps.engine.begin() as conn:
-        statement = insert(ticks).values(entry=entry, tick=scheduled_at)
-        conn.execute(statement.on_conflict_do_update(index_elements=["entry", "tick"], set_={"runs": ticks.c.runs + 1}))
+def record_tick(entry: str, scheduled_at: datetime, conn: sa.Connection) -> None:
+    statement = insert(ticks).values(entry=entry, tick=scheduled_at)
+    conn.execute(statement.on_conflict_do_update(index_elements=["entry", "tick"], set_={"runs": ticks.c.runs + 1}))
 
 
-def run_tick(scheduled_at: datetime) -> None:
-    record_tick("soak.tick", scheduled_at)
+def run_tick(scheduled_at: datetime, conn: sa.Connection) -> None:
+    record_tick("soak.tick", scheduled_at, conn)
 
 
-def record_beat(event: Beat) -> None:
+def record_beat(event: Beat, conn: sa.Connection) -> None:
     scheduled_at = gp.current_envelope().scheduled_at
     assert scheduled_at is not None
-    record_tick("soak.beat", scheduled_at)
+    record_tick("soak.beat", scheduled_at, conn)
 
 
 def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
     listeners.register(registry, deps)
     jobs.register(schedule, deps)
     registry.listen(OrderPlaced, record_audit, name="audit", inbox=deps.engine)
-    registry.listen(Beat, record_beat, name="record_beat")
-    schedule.job("soak.tick", "@every 1s", run_tick)
+    registry.listen(Beat, record_beat, name="record_beat", inbox=deps.engine)
+    schedule.job("soak.tick", "@every 1s", run_tick, inbox=deps.engine)
     schedule.every(timedelta(seconds=1), Beat(), name="soak.beat")
 
 
