@@ -8,8 +8,11 @@ a password.
 
 from __future__ import annotations
 
+import getpass
 import importlib
 import json
+import logging
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -233,6 +236,152 @@ def outbox_retry(ids: tuple[str, ...], every: bool) -> None:
     with _database(_settings()) as engine, engine.begin() as conn:
         count = outbox.retry_failed(conn, None if every else list(ids))
     click.echo(f"{count} event(s) pending again")
+
+
+@outbox_group.command("replay")
+@click.argument("event_id")
+def outbox_replay(event_id: str) -> None:
+    """Replay one set-aside event: pending again, for the relays to send.
+
+    \b
+    Example:
+      dramatiq-gp outbox replay 0b6c1f0e-4c5d-4d4e-9a53-2f1b2c3d4e5f
+    """
+    from . import outbox
+
+    try:
+        uuid.UUID(event_id)
+    except ValueError:
+        _fail(f"{event_id!r} is not an event id (a UUID, as `dramatiq-gp outbox failed` lists them)")
+    with _database(_settings()) as engine, engine.begin() as conn:
+        if not outbox.retry_failed(conn, [event_id]):
+            _fail(f"no set-aside event {event_id}")
+    _audit("outbox replay", f"event {event_id} pending again")
+    click.echo(f"event {event_id} pending again")
+
+
+# -- dead letters ------------------------------------------------------------------
+
+
+def _actor() -> str:
+    """Who runs this command, for the line every action logs."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
+def _audit(action: str, outcome: str) -> None:
+    logging.getLogger("dramatiq_gp.actions").info("%s by %s (cli): %s", action, _actor(), outcome)
+
+
+def _dead_letters() -> tuple[redis.Redis, str, bool]:
+    """The Redis client, the namespace and whether personal data may be shown; refuses RabbitMQ."""
+    settings = _settings()
+    if settings.broker.url:
+        _fail("dramatiq-gp dlq reads dead letters on Redis; with BROKER_URL they are in RabbitMQ's <queue>.XQ queues")
+    return _redis(settings), settings.queue.namespace, settings.sentry.send_default_pii
+
+
+@main.group()
+def dlq() -> None:
+    """Dead letters: list, show, requeue and purge them.
+
+    \b
+    Example:
+      dramatiq-gp dlq list default
+    """
+
+
+@dlq.command("list")
+@click.argument("queue")
+@click.option("--offset", default=0, show_default=True, type=click.IntRange(min=0), help="skip this many")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1000), help="at most this many")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
+def dlq_list(queue: str, offset: int, limit: int, as_json: bool) -> None:
+    """List a queue's dead letters, the most recent first.
+
+    \b
+    Example:
+      dramatiq-gp dlq list default --limit 20
+    """
+    from . import deadletters
+
+    client, namespace, pii = _dead_letters()
+    total = deadletters.count(client, namespace, queue)
+    letters = deadletters.page(client, namespace, queue, offset=offset, limit=limit, pii=pii)
+    if as_json:
+        for letter in letters:
+            click.echo(json.dumps(letter.as_dict()))
+        return
+    click.echo(f"queue {queue}: {total} dead letter(s)")
+    for letter in letters:
+        dead_at = datetime.fromtimestamp(letter.dead_at_ms / 1000, UTC).isoformat(timespec="seconds")
+        click.echo(f"{letter.id}  {letter.task_type}  message {letter.message_id}  retries={letter.retries}  "
+                   f"dead since {dead_at}")  # fmt: skip
+        if letter.reason:
+            click.echo(f"    {letter.reason}")
+
+
+@dlq.command("show")
+@click.argument("queue")
+@click.argument("dead_letter_id")
+def dlq_show(queue: str, dead_letter_id: str) -> None:
+    """Show one dead letter (its arguments only with SENTRY_SEND_DEFAULT_PII=true), as JSON.
+
+    \b
+    Example:
+      dramatiq-gp dlq show default 6f1d2c3b-...
+    """
+    from . import deadletters
+
+    client, namespace, pii = _dead_letters()
+    letter = deadletters.get(client, namespace, queue, dead_letter_id, pii=pii)
+    if letter is None:
+        _fail(f"no dead letter {dead_letter_id} in queue {queue}")
+    else:
+        click.echo(json.dumps(letter.as_dict(), indent=2))
+
+
+@dlq.command("requeue")
+@click.argument("queue")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="every dead letter of the queue")
+def dlq_requeue(queue: str, ids: tuple[str, ...], every: bool) -> None:
+    """Put dead letters back on their queue, by id or --all; each keeps its message id.
+
+    \b
+    Example:
+      dramatiq-gp dlq requeue default --all
+    """
+    from . import deadletters
+
+    if bool(ids) == every:
+        _fail("give the dead letter ids to requeue (as `dramatiq-gp dlq list` shows them), or --all")
+    client, namespace, _ = _dead_letters()
+    moved = deadletters.requeue(client, namespace, queue, None if every else list(ids))
+    _audit("dlq requeue", f"{moved} dead letter(s) of queue {queue} requeued")
+    click.echo(f"{moved} dead letter(s) of queue {queue} requeued")
+
+
+@dlq.command("purge")
+@click.argument("queue")
+@click.option("--yes", is_flag=True, help="do it: the dead letters are deleted for good")
+def dlq_purge(queue: str, yes: bool) -> None:
+    """Delete a queue's dead letters for good.
+
+    \b
+    Example:
+      dramatiq-gp dlq purge default --yes
+    """
+    from . import deadletters
+
+    if not yes:
+        _fail(f"purging deletes every dead letter of queue {queue} for good: add --yes")
+    client, namespace, _ = _dead_letters()
+    purged = deadletters.purge(client, namespace, queue)
+    _audit("dlq purge", f"{purged} dead letter(s) of queue {queue} deleted")
+    click.echo(f"{purged} dead letter(s) of queue {queue} deleted")
 
 
 # -- schedule ----------------------------------------------------------------------

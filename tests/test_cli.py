@@ -94,7 +94,8 @@ def test_an_unreachable_redis_is_named_without_its_password(clean_env):
 
 def test_every_command_explains_itself_with_an_example():
     for args in (["migrate", "up"], ["migrate", "status"], ["outbox", "failed"], ["outbox", "retry"],
-                 ["schedule", "next"], ["status"]):  # fmt: skip
+                 ["outbox", "replay"], ["schedule", "next"], ["status"], ["dlq", "list"], ["dlq", "show"],
+                 ["dlq", "requeue"], ["dlq", "purge"]):  # fmt: skip
         result = run(*args, "--help")
         assert result.exit_code == 0 and "Example" in result.output, args
 
@@ -234,3 +235,13 @@ def test_outbox_retry_by_id_makes_just_that_event_pending_again(make_kit, engine
     # The relay picks it up again (and, its type still unknown, sets it aside again).
     assert kit.relay.relay_once() == 1
     assert run("outbox", "retry", "0b6c1f0e-4c5d-4d4e-9a53-2f1b2c3d4e5f").stdout == "0 event(s) pending again\n"
+
+
+def test_outbox_replay_makes_one_set_aside_event_pending_again(make_kit, engine, database_url):
+    kit = make_kit(env={"DB_URL": database_url, "OUTBOX_MAX_ATTEMPTS": "1"})
+    again, left = _set_aside(kit, engine, 1, 2)
+    result = run("outbox", "replay", again)
+    assert (result.exit_code, result.stdout) == (0, f"event {again} pending again\n")
+    assert [json.loads(line)["id"] for line in run("outbox", "failed", "--json").stdout.splitlines()] == [left]
+    missing = run("outbox", "replay", again)  # pending now: not set aside
+    assert (missing.exit_code, missing.output) == (1, f"Error: no set-aside event {again}\n")

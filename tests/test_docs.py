@@ -11,6 +11,7 @@ what its first command prints, and the output must look like it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -25,6 +26,7 @@ import pytest
 import sqlalchemy as sa
 
 import dramatiq_gp as gp
+from dramatiq_gp import keys
 from helpers import own_database, wait_for
 from servers import OwnRedis
 
@@ -157,7 +159,8 @@ def test_the_cli_pages_generator_commands_run_as_shown_and_again_change_nothing(
 
 def test_the_cli_pages_operator_commands_run_against_real_servers_as_shown(tmp_path, shell_env, make_kit):
     # The page's order; a block added to the page fails here until this test runs it too.
-    _generators, (migrate, _), (status, status_shown), (schedule, schedule_shown), (outbox, _) = _shell_blocks(CLI_PAGE)
+    blocks = _shell_blocks(CLI_PAGE)
+    _generators, (migrate, _), (status, status_shown), (schedule, schedule_shown), (outbox, _), (dlq, _) = blocks
 
     missing = subprocess.run(["dramatiq-gp", "migrate", "status"], env=shell_env, capture_output=True, text=True)
     assert missing.returncode == 1 and "outbox table 'outbox_events' is missing" in missing.stdout
@@ -210,6 +213,23 @@ def test_the_cli_pages_operator_commands_run_against_real_servers_as_shown(tmp_p
     listed, retried = done
     assert listed.stdout.startswith(f"{set_aside}  test.docs.gone  attempts=1  failed=")
     assert retried.stdout == "1 event(s) pending again\n"
+
+    # Two dead letters, as a failed message leaves them; ID stands for one `dlq list` shows.
+    client = kit.broker.client
+    for n in (1, 2):
+        dead = dramatiq.Message(queue_name="default", actor_name="send", args=(n,), kwargs={},
+                                options={"redis_message_id": f"dead-{n}", "retries": 20})  # fmt: skip
+        client.zadd(keys.dead(kit.broker.namespace, "default"), {f"dead-{n}": 1_700_000_000_000 + n})
+        client.hset(keys.dead_messages(kit.broker.namespace, "default"), f"dead-{n}", dead.encode())
+    done, _ = _run_block([line.replace("ID [ID ...]", "dead-1").replace("ID", "dead-1") for line in dlq], tmp_path,
+                         shell_env)  # fmt: skip
+    _succeeded(done)
+    listed, shown, requeued, purged = done
+    assert listed.stdout.splitlines()[0] == "queue default: 2 dead letter(s)"
+    assert listed.stdout.splitlines()[1].startswith("dead-2  send  message ")  # the most recent first
+    assert json.loads(shown.stdout)["args"] == "[Filtered]"
+    assert requeued.stdout == "1 dead letter(s) of queue default requeued\n"
+    assert purged.stdout == "1 dead letter(s) of queue default deleted\n"
 
 
 @gp.event("test.docs.retired")

@@ -1,0 +1,137 @@
+"""Dead letters on Redis: read a page of them, look at one, requeue them, purge them.
+
+A queue's dead letters are Dramatiq's: ``<ns>:<queue>.XQ``, a sorted set of Redis
+message ids scored by when each died, and ``<ns>:<queue>.XQ.msgs``, their messages
+(see :mod:`dramatiq_gp.keys`). Every read here is bounded by the page asked for
+(``ZREVRANGE`` and ``HMGET``), never by how many there are, so a queue with
+100,000 dead letters pages as fast as one with ten.
+
+A dead letter is shown by its Redis message id (the handle ``show`` and ``requeue``
+take), with its message id, task type, retries, age and why it died: the reason
+the kit gave it (``gp_dead_letter_reason``: an unknown task type, a malformed
+message) or the last line of the traceback Dramatiq's retries kept. Its arguments
+may hold personal data, so they are shown only when asked for with ``pii=True``
+(``SENTRY_SEND_DEFAULT_PII``, the rule Sentry follows), and ``[Filtered]`` otherwise.
+
+Requeuing moves a dead letter back to the end of its queue as it is, with its
+message id, so idempotent execution still skips it if a copy already completed. It
+keeps its retry count: a message that used up its retries gets one more attempt.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from . import keys
+from .brokers.base import DEAD_LETTER_REASON
+from .lua import scripts
+
+_SCRIPTS = scripts(__file__)
+
+#: Dead letters moved per Lua call when a whole queue's are requeued.
+REQUEUE_BATCH = 1000
+FILTERED = "[Filtered]"
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One dead letter, as ``dramatiq-gp dlq`` and the dashboard show it."""
+
+    id: str  #: its Redis message id: the handle to show or requeue it by
+    queue: str
+    dead_at_ms: int
+    message_id: str | None  #: None for bytes that never were a message (set aside as undecodable)
+    task_type: str | None
+    retries: int
+    reason: str | None
+    args: Any
+    kwargs: Any
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "queue": self.queue, "dead_at_ms": self.dead_at_ms, "message_id": self.message_id,
+                "task_type": self.task_type, "retries": self.retries, "reason": self.reason,
+                "args": self.args, "kwargs": self.kwargs}  # fmt: skip
+
+
+def count(client: redis.Redis, namespace: str, queue: str) -> int:
+    return int(client.zcard(keys.dead(namespace, queue)))
+
+
+def page(client: redis.Redis, namespace: str, queue: str, *, offset: int = 0, limit: int = 50,
+         pii: bool = False) -> list[DeadLetter]:  # fmt: skip
+    """Dead letters of ``queue``, the most recent first, from ``offset``: two Redis commands."""
+    scored: Any = client.zrevrange(keys.dead(namespace, queue), offset, offset + limit - 1, withscores=True)
+    if not scored:
+        return []
+    data: Any = client.hmget(keys.dead_messages(namespace, queue), [member for member, _ in scored])
+    return [
+        _letter(queue, _text(member), int(score), raw, pii)
+        for (member, score), raw in zip(scored, data, strict=True)
+        if raw is not None  # expired between the two commands
+    ]
+
+
+def get(client: redis.Redis, namespace: str, queue: str, id: str, *, pii: bool = False) -> DeadLetter | None:
+    """The dead letter ``id`` of ``queue``, or None."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.zscore(keys.dead(namespace, queue), id)
+        pipe.hget(keys.dead_messages(namespace, queue), id)
+        score, raw = pipe.execute()
+    if score is None or raw is None:
+        return None
+    return _letter(queue, id, int(score), raw, pii)
+
+
+def requeue(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str] | None = None) -> int:
+    """Move the dead letters ``ids`` (all of the queue's, when None) back to ``queue``; how many moved."""
+    script = client.register_script(_SCRIPTS["requeue"])
+    touched = [keys.dead(namespace, queue), keys.dead_messages(namespace, queue), keys.queue(namespace, queue),
+               keys.messages(namespace, queue)]  # fmt: skip
+    if ids is not None:
+        return sum(int(script(keys=touched, args=list(ids[i : i + REQUEUE_BATCH])))
+                   for i in range(0, len(ids), REQUEUE_BATCH))  # fmt: skip
+    moved = 0
+    while True:
+        batch: Any = client.zrange(touched[0], 0, REQUEUE_BATCH - 1)  # the oldest first: they keep their order
+        if not batch:
+            return moved
+        moved += int(script(keys=touched, args=batch))
+
+
+def purge(client: redis.Redis, namespace: str, queue: str) -> int:
+    """Delete every dead letter of ``queue``; how many there were."""
+    with client.pipeline() as pipe:
+        pipe.zcard(keys.dead(namespace, queue))
+        pipe.unlink(keys.dead(namespace, queue), keys.dead_messages(namespace, queue))
+        dead, _ = pipe.execute()
+    return int(dead)
+
+
+def _letter(queue: str, id: str, dead_at_ms: int, raw: bytes | str, pii: bool) -> DeadLetter:
+    try:
+        message = json.loads(raw)
+        options = message["options"] if isinstance(message.get("options"), dict) else {}
+    except (ValueError, AttributeError):
+        return DeadLetter(id, queue, dead_at_ms, None, None, 0, "cannot decode it (set aside as it came)",
+                          FILTERED, FILTERED)  # fmt: skip
+    reason = options.get(DEAD_LETTER_REASON)
+    if reason is None and isinstance(options.get("traceback"), str):
+        reason = options["traceback"].strip().splitlines()[-1]
+    return DeadLetter(
+        id, queue, dead_at_ms, _str(message.get("message_id")), _str(message.get("actor_name")),
+        int(options.get("retries") or 0), reason,
+        message.get("args") if pii else FILTERED, message.get("kwargs") if pii else FILTERED,
+    )  # fmt: skip
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

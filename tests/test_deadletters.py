@@ -1,0 +1,139 @@
+"""Dead letters on Redis (``dramatiq-gp dlq``): listed by page, shown, requeued with their ids, purged."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import dramatiq
+import pytest
+import redis
+from click.testing import CliRunner, Result
+
+import dramatiq_gp as gp
+from dramatiq_gp import deadletters, keys
+from dramatiq_gp.cli import main
+from helpers import wait_for
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args))
+
+
+def _flaky_kit(make_kit, fail: threading.Event) -> tuple[gp.Kit, list[str], dramatiq.Actor]:
+    """A kit whose actor ``charge`` fails while ``fail`` is set, retried once, then dead-lettered."""
+    ran: list[str] = []
+
+    class Succeeded(dramatiq.Middleware):
+        def after_process_message(self, broker, message, *, result=None, exception=None):
+            if exception is None:
+                ran.append(message.message_id)
+
+    kit = make_kit(env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"}, middleware=[Succeeded()])
+
+    @dramatiq.actor(broker=kit.broker, actor_name="charge", max_retries=1)
+    def charge(customer: str) -> None:
+        if fail.is_set():
+            raise RuntimeError("the card was declined")
+
+    return kit, ran, charge
+
+
+def test_a_dead_letter_is_listed_with_why_it_died_and_its_arguments_only_with_pii_on(
+    make_kit, start_worker, clean_env, namespace
+):
+    fail = threading.Event()
+    fail.set()
+    kit, _ran, charge = _flaky_kit(make_kit, fail)
+    message = charge.send("ada@example.com")
+    start_worker(kit)
+    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+
+    listed = run("dlq", "list", "default")
+    assert listed.exit_code == 0, listed.output
+    lines = listed.stdout.splitlines()
+    assert lines[0] == "queue default: 1 dead letter(s)"
+    assert f"charge  message {message.message_id}  retries=1" in lines[1]
+    assert lines[2].strip() == "RuntimeError: the card was declined"
+    assert "ada@example.com" not in listed.output
+
+    (letter,) = [json.loads(line) for line in run("dlq", "list", "default", "--json").stdout.splitlines()]
+    assert (letter["message_id"], letter["task_type"], letter["args"]) == (message.message_id, "charge", "[Filtered]")
+    shown = json.loads(run("dlq", "show", "default", letter["id"]).stdout)
+    assert shown["args"] == "[Filtered]" and shown["reason"] == "RuntimeError: the card was declined"
+    clean_env.setenv("SENTRY_SEND_DEFAULT_PII", "true")
+    assert json.loads(run("dlq", "show", "default", letter["id"]).stdout)["args"] == ["ada@example.com"]
+
+    missing = run("dlq", "show", "default", "no-such-id")
+    assert (missing.exit_code, missing.output) == (1, "Error: no dead letter no-such-id in queue default\n")
+
+
+def test_a_requeued_dead_letter_runs_again_with_its_message_id(make_kit, start_worker, clean_env, namespace):
+    fail = threading.Event()
+    fail.set()
+    kit, ran, charge = _flaky_kit(make_kit, fail)
+    message = charge.send("c1")
+    start_worker(kit)
+    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    fail.clear()  # the card works now
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    (letter,) = deadletters.page(kit.broker.client, namespace, "default")
+    done = run("dlq", "requeue", "default", letter.id)
+    assert (done.exit_code, done.stdout) == (0, "1 dead letter(s) of queue default requeued\n")
+    wait_for(lambda: ran == [message.message_id])
+    assert deadletters.count(kit.broker.client, namespace, "default") == 0
+
+
+def _bury(client: redis.Redis, namespace: str, queue: str, count: int) -> list[str]:
+    """``count`` dead letters in ``queue``'s dead-letter set as Dramatiq leaves them, the oldest first."""
+    ids = [f"dead-{n:05d}-{uuid.uuid4().hex[:6]}" for n in range(count)]
+    with client.pipeline(transaction=False) as pipe:
+        for n, id in enumerate(ids):
+            message = dramatiq.Message(queue_name=queue, actor_name="charge", args=(n,), kwargs={},
+                                       options={"redis_message_id": id, "retries": 3})  # fmt: skip
+            pipe.zadd(keys.dead(namespace, queue), {id: 1_700_000_000_000 + n})
+            pipe.hset(keys.dead_messages(namespace, queue), id, message.encode())
+        pipe.execute()
+    return ids
+
+
+def test_pages_come_most_recent_first_and_requeue_all_keeps_the_order(rdb, namespace, clean_env):
+    ids = _bury(rdb, namespace, "default", 2500)
+    first = deadletters.page(rdb, namespace, "default", offset=0, limit=3)
+    assert [letter.id for letter in first] == ids[::-1][:3]
+    assert [letter.id for letter in deadletters.page(rdb, namespace, "default", offset=2499, limit=50)] == ids[:1]
+    assert first[0].retries == 3 and first[0].reason is None
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    done = run("dlq", "requeue", "default", "--all")
+    assert done.stdout == "2500 dead letter(s) of queue default requeued\n"
+    assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == ids  # the oldest first
+    assert rdb.hlen(keys.messages(namespace, "default")) == 2500
+    assert deadletters.count(rdb, namespace, "default") == 0
+
+
+def test_purge_deletes_them_only_when_told_so(rdb, namespace, clean_env):
+    _bury(rdb, namespace, "mail", 5)
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    refused = run("dlq", "purge", "mail")
+    assert refused.exit_code == 1
+    assert refused.output == "Error: purging deletes every dead letter of queue mail for good: add --yes\n"
+    assert deadletters.count(rdb, namespace, "mail") == 5
+    assert run("dlq", "purge", "mail", "--yes").stdout == "5 dead letter(s) of queue mail deleted\n"
+    assert not rdb.exists(keys.dead(namespace, "mail"), keys.dead_messages(namespace, "mail"))
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["dlq", "requeue", "default"], {}, "give the dead letter ids to requeue"),
+        (["dlq", "list", "default"], {"BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/%2F"}, "with BROKER_URL"),
+    ],
+)
+def test_a_dlq_command_it_cannot_carry_out_is_one_line(args, env, message, clean_env):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    done = run(*args)
+    assert done.exit_code == 1
+    assert message in done.output and done.output.count("\n") == 1
