@@ -133,6 +133,11 @@ class SchedulerKeys:
         """``<entry>:<tick ms>`` → a claimed tick's message not yet confirmed by a broker other than Redis (a hash)."""
         return f"{self.prefix}:unpublished"
 
+    @property
+    def paused(self) -> str:
+        """Entry name → who paused it and when, as JSON: its ticks are passed over, not fired (a hash)."""
+        return f"{self.prefix}:paused"
+
     def tick(self, entry: str, tick_ms: int) -> str:
         """The claim of one tick of one entry."""
         return f"{self.prefix}:tick:{entry}:{tick_ms}"

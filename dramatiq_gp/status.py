@@ -33,6 +33,7 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
                   "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat()}  # fmt: skip
     last = {_text(k): int(v) for k, v in client.hgetall(scheduler.last_fired).items()}
     published = {_text(k): json.loads(v) for k, v in client.hgetall(scheduler.upcoming).items()}
+    paused = {_text(k): json.loads(v) for k, v in client.hgetall(scheduler.paused).items()}
     entries = []
     for name, trigger_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(scheduler.entries).items()):
         trigger, _, zone = trigger_zone.rpartition("|")
@@ -41,6 +42,7 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
             "name": name, "trigger": trigger, "zone": zone,
             "next_fire": _next_fire(trigger, ZoneInfo(zone), published.get(name, []), now),
             "last_fired": datetime.fromtimestamp(last_ms / 1000, UTC).isoformat() if last_ms is not None else None,
+            "paused": paused.get(name),
         })  # fmt: skip
     return {"namespace": scheduler.namespace, "leader": leader, "entries": entries}
 

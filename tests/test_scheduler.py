@@ -224,3 +224,41 @@ def test_two_namespaces_on_one_redis_elect_independently(runner_kit, rdb, namesp
     assert not same.scheduler.lease.is_held()
     for key in rdb.scan_iter(f"{namespace}-*"):
         rdb.delete(key)
+
+
+def _ticks_queued(rdb, namespace) -> list[datetime]:
+    return sorted(datetime.fromisoformat(m["args"][0]["scheduled_at"]) for m in _queued(rdb, namespace, "jobs"))
+
+
+def test_a_paused_entry_fires_nothing_until_resumed_and_its_pause_is_not_caught_up(
+    runner_kit, rdb, namespace, clean_env
+):
+    from click.testing import CliRunner
+
+    from dramatiq_gp.cli import main
+
+    kit = runner_kit(
+        lambda registry, schedule: schedule.job("heartbeat", "@every 1s", lambda: None, queue="jobs"),
+        env={"SCHEDULER_CATCHUP": "all"},
+    )
+    kit.scheduler.start()
+    wait_for(lambda: len(_ticks_queued(rdb, namespace)) >= 2, timeout=10)
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    paused = CliRunner().invoke(main, ["schedule", "pause", "heartbeat"])
+    assert paused.exit_code == 0, paused.output
+    paused_at = datetime.now(UTC)
+    (entry,) = kit.scheduler.status()["entries"]
+    assert entry["paused"]["by"].endswith("(cli)")
+    time.sleep(3)
+    assert max(_ticks_queued(rdb, namespace)) < paused_at  # from its next tick on, none fired
+    assert CliRunner().invoke(main, ["schedule", "resume", "heartbeat"]).exit_code == 0
+    resumed_at = datetime.now(UTC)
+    wait_for(lambda: max(_ticks_queued(rdb, namespace)) > resumed_at, timeout=10)
+    # The ticks of the pause were passed over, not caught up later.
+    assert [t for t in _ticks_queued(rdb, namespace) if paused_at < t < resumed_at - timedelta(seconds=1)] == []
+    assert kit.scheduler.status()["entries"][0]["paused"] is None
+
+    unknown = CliRunner().invoke(main, ["schedule", "pause", "nightly"])
+    assert unknown.exit_code == 1 and "no schedule entry 'nightly' in scheduler" in unknown.output
+    not_paused = CliRunner().invoke(main, ["schedule", "resume", "heartbeat"])
+    assert (not_paused.exit_code, not_paused.output) == (1, "Error: schedule entry 'heartbeat' is not paused\n")

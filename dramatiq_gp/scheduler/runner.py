@@ -19,7 +19,10 @@ call (``runner/fire.lua``) that, atomically,
 3. pushes the message onto its queue, under an id derived from the tick, and
    records the tick as the entry's last fired.
 
-So no tick is enqueued twice, and none is claimed without being enqueued.
+So no tick is enqueued twice, and none is claimed without being enqueued. An
+entry paused (``dramatiq-gp schedule pause``, ``<ns>:scheduler:paused``) is checked
+in the same call: its tick is recorded as passed over and not enqueued, so it stops
+at its next tick, and resuming it does not catch up the ticks of the pause.
 
 When the queues are not in that Redis (RabbitMQ), the claim cannot enqueue: the
 same Lua call (``runner/claim.lua``) keeps the tick's message in
@@ -308,7 +311,7 @@ class Runner:
                         "dramatiq_gp.schedule.catch_up": catching_up},
         ) as span:  # fmt: skip
             result = self._enqueue_tick(entry, tick)
-            outcome = {1: "fired", 0: "deduplicated"}.get(result, "lease lost")
+            outcome = {1: "fired", 0: "deduplicated", 2: "paused"}.get(result, "lease lost")
             span.set_attribute("dramatiq_gp.schedule.outcome", outcome)
         if result == -1:
             self.logger.warning("schedule runner: %s not fired: this process no longer holds the lease", entry.name)
@@ -318,6 +321,8 @@ class Runner:
         if outcome == "fired" and catching_up:
             outcome = "caught_up"
         instruments().scheduler_ticks.add(1, {"entry": entry.name, "outcome": outcome})
+        if result == 2:
+            self.logger.debug("schedule runner: %s is paused: tick %s not fired", entry.name, tick.isoformat())
         if result == 1:
             lateness_ms = (datetime.now(UTC) - tick).total_seconds() * 1000
             self.logger.info(
@@ -327,7 +332,7 @@ class Runner:
         return True
 
     def _enqueue_tick(self, entry: Entry, tick: datetime) -> int:
-        """1: enqueued; 0: this tick was fired already; -1: the lease is lost."""
+        """1: enqueued; 0: this tick was fired already; 2: the entry is paused; -1: the lease is lost."""
         if not isinstance(self.broker, RedisBroker):
             return self._claim_and_publish(entry, tick)
         message = self._message(entry, tick)
@@ -339,7 +344,7 @@ class Runner:
         try:
             result = int(self._fire_script(
                 keys=[self.lease.key, self.keys.tick(entry.name, _ms(tick)), self.covered_key,
-                      keys.queue(ns, queue), keys.messages(ns, queue)],
+                      keys.queue(ns, queue), keys.messages(ns, queue), self.keys.paused],
                 args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), redis_id, message.encode()],
             ))  # fmt: skip
         except BaseException as exc:
@@ -357,7 +362,8 @@ class Runner:
         field = f"{entry.name}:{_ms(tick)}"
         assert self.lease.value is not None
         result = int(self._claim_script(
-            keys=[self.lease.key, self.keys.tick(entry.name, _ms(tick)), self.covered_key, self.keys.unpublished],
+            keys=[self.lease.key, self.keys.tick(entry.name, _ms(tick)), self.covered_key, self.keys.unpublished,
+                  self.keys.paused],
             args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), field, message.encode()],
         ))  # fmt: skip
         if result == 1:
