@@ -1,7 +1,10 @@
 """Fixtures: real Redis (and PostgreSQL) for the whole session, a fresh key namespace per test.
 
 The servers come from :mod:`devtools.services`: the configured or local ones if
-they answer, embedded ones otherwise. Tests never skip for lack of a server.
+they answer, embedded ones otherwise. Tests never skip for lack of one. The
+RabbitMQ half of a test run on both brokers (the ``broker`` fixture) needs a
+RabbitMQ at ``RABBITMQ_URL`` (the local one by default), and is skipped in one
+line without one.
 """
 
 from __future__ import annotations
@@ -10,22 +13,25 @@ import gc
 import os
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import dramatiq
+import pika
 import pytest
 import redis
 import sqlalchemy as sa
+from dramatiq.common import dq_name, xq_name
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import dramatiq_gp as gp  # noqa: E402
 from devtools.services import services  # noqa: E402
-from helpers import own_database  # noqa: E402
+from dramatiq_gp import keys  # noqa: E402
+from helpers import RABBITMQ_URL, own_database, rabbitmq_unreachable  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -97,6 +103,47 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> pytest.MonkeyP
             monkeypatch.delenv(name)
     monkeypatch.setenv("REDIS_URL", redis_url)
     return monkeypatch
+
+
+#: The queues the tests that run on both brokers use. RabbitMQ has no key namespace: a run
+#: that died before its clean-up may have left messages in them, so they are deleted first.
+SHARED_QUEUES = ("default", "other", "two", "qa", "qb", "jobs", "plain")
+
+
+def _delete_rabbitmq_queues(queues: Iterable[str]) -> None:
+    """Delete each of ``queues`` with its delay and dead-letter queues (a missing one is no error)."""
+    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    try:
+        channel = connection.channel()
+        for queue in queues:
+            for name in (queue, dq_name(queue), xq_name(queue)):
+                channel.queue_delete(name)
+    finally:
+        connection.close()
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker(
+    request: pytest.FixtureRequest, clean_env: pytest.MonkeyPatch, namespace: str, rdb: redis.Redis
+) -> Iterator[str]:
+    """Run the test on each broker: the Kits ``make_kit`` builds hold their queues on Redis, or on RabbitMQ.
+
+    Opt in with ``pytest.mark.usefixtures("broker")`` on the test or the module (which
+    sets it up before ``make_kit`` and ``start_worker``, so it cleans up after them). On
+    RabbitMQ (``BROKER_URL``; Redis keeps the coordination state) the test is skipped
+    in one line without one, and the queues it declared (recorded in Redis) are
+    deleted afterwards. Yields the broker's name.
+    """
+    if request.param == "redis":
+        yield "redis"
+        return
+    reason = rabbitmq_unreachable(RABBITMQ_URL)
+    if reason is not None:
+        pytest.skip(reason)
+    _delete_rabbitmq_queues(SHARED_QUEUES)
+    clean_env.setenv("BROKER_URL", RABBITMQ_URL)
+    yield "rabbitmq"
+    _delete_rabbitmq_queues(rdb.smembers(keys.declared_queues(namespace)))
 
 
 MakeKit = Callable[..., gp.Kit]

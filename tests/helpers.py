@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import sqlalchemy as sa
+
+import dramatiq_gp as gp
+from dramatiq_gp import keys
+
+#: The RabbitMQ the tests use (``RABBITMQ_URL``; the local one by default).
+RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
@@ -43,3 +53,38 @@ def own_database(server_url: str) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
         admin.dispose()
+
+
+@functools.cache
+def rabbitmq_unreachable(url: str = RABBITMQ_URL) -> str | None:
+    """Why the RabbitMQ at ``url`` cannot be used (``no RabbitMQ at 127.0.0.1:5672``), or None if it answers."""
+    parts = urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=1).close()
+    except OSError:
+        return f"no RabbitMQ at {parts.netloc.split('@')[-1]}"
+    return None
+
+
+def ready(kit: gp.Kit, queue_name: str = "default") -> int:
+    """How many messages wait in ``queue_name`` to be fetched, on either broker."""
+    if isinstance(kit.broker, gp.RabbitmqBroker):
+        return kit.broker.get_queue_message_counts(queue_name)[0]
+    return int(kit.broker.client.llen(keys.queue(kit.broker.namespace, queue_name)))
+
+
+def delayed(kit: gp.Kit, queue_name: str = "default") -> int:
+    """How many messages wait in the delay queue of ``queue_name``.
+
+    On RabbitMQ only those no worker has fetched: a worker holds the ones it fetched until they are due.
+    """
+    if isinstance(kit.broker, gp.RabbitmqBroker):
+        return kit.broker.get_queue_message_counts(queue_name)[1]
+    return int(kit.broker.client.zcard(keys.delay_queue(kit.broker.namespace, queue_name)))
+
+
+def dead(kit: gp.Kit, queue_name: str = "default") -> int:
+    """How many messages the dead-letter queue of ``queue_name`` holds, on either broker."""
+    if isinstance(kit.broker, gp.RabbitmqBroker):
+        return kit.broker.get_queue_message_counts(queue_name)[2]
+    return int(kit.broker.client.zcard(keys.dead(kit.broker.namespace, queue_name)))

@@ -41,6 +41,7 @@ class OrderPlaced:
 FAST_RETRIES = {"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"}
 
 
+@pytest.mark.usefixtures("broker")
 def test_an_async_listener_fans_out_beside_a_sync_one_and_is_retried_on_its_own(make_kit, start_worker):
     runs: Counter[str] = Counter()
     loop_threads: set[threading.Thread] = set()
@@ -70,6 +71,7 @@ def test_an_async_listener_fans_out_beside_a_sync_one_and_is_retried_on_its_own(
     assert loop_thread.daemon  # gp.AsyncIO's: a process told twice to stop does not wait for it
 
 
+@pytest.mark.usefixtures("broker")
 def test_two_async_listeners_interleaving_on_one_loop_each_see_their_own_envelope_and_span(make_kit, start_worker):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -115,6 +117,7 @@ def test_two_async_listeners_interleaving_on_one_loop_each_see_their_own_envelop
         assert (envelope_id == other) == (order_id == 8)
 
 
+@pytest.mark.usefixtures("broker")
 def test_an_async_job_fired_by_the_scheduler_gets_its_tick(make_kit, start_worker):
     ticks: list[datetime] = []
 
@@ -136,6 +139,7 @@ def test_an_async_job_fired_by_the_scheduler_gets_its_tick(make_kit, start_worke
     assert len(set(ticks)) == len(ticks)  # each tick once
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_time_limit_cancels_the_coroutine_and_the_attempt_is_retried(make_kit, start_worker):
     attempts: list[str] = []
 
@@ -250,6 +254,7 @@ def test_dispatch_async_writes_in_the_callers_transaction_commit_and_rollback(st
         asyncio.run(gp.dispatch_async(None, object()))  # type: ignore[arg-type]
 
 
+@pytest.mark.usefixtures("broker")
 def test_an_event_dispatched_async_reaches_an_async_listener_through_the_relay(make_kit, start_worker, engine,
                                                                                database_url):  # fmt: skip
     got: list[int] = []
@@ -316,6 +321,7 @@ def test_an_async_listener_runs_in_its_messages_sentry_scope_and_its_final_failu
     assert event["exception"]["values"][-1]["type"] == "RuntimeError"
 
 
+@pytest.mark.usefixtures("broker")
 def test_an_async_listener_is_logged_and_a_duplicate_copy_never_reaches_it(make_kit, start_worker, caplog):
     runs: list[str] = []
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import dramatiq_gp as gp
-from helpers import wait_for
+from helpers import ready, wait_for
 
 
 @gp.event("test.fanout.order_placed")
@@ -76,6 +76,7 @@ def test_fan_out_ids_are_deterministic_per_envelope_and_listener(make_kit):
     assert not set(first) & set(other)
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_listener_knows_its_envelope_and_every_listener_sees_the_same_id(make_kit, start_worker):
     seen: dict[str, gp.Envelope] = {}
 
@@ -102,6 +103,7 @@ def test_current_envelope_outside_a_listener_says_so():
         gp.current_envelope()
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_failing_listener_is_retried_alone(make_kit, start_worker):
     calls: Counter[str] = Counter()
     lock = threading.Lock()
@@ -128,6 +130,7 @@ def test_a_failing_listener_is_retried_alone(make_kit, start_worker):
     assert calls == {"flaky": 2, "steady": 1}
 
 
+@pytest.mark.usefixtures("broker")
 def test_an_event_that_cannot_be_encoded_is_rejected_and_nothing_is_sent(make_kit, rdb, namespace):
     def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
         registry.listen(Anything, lambda e: None, name="one")
@@ -136,7 +139,8 @@ def test_an_event_that_cannot_be_encoded_is_rejected_and_nothing_is_sent(make_ki
     kit = make_kit(register)
     with pytest.raises(gp.EventEncodeError, match=r"test\.fanout\.anything"):
         kit.dispatch(Anything(object()))
-    assert list(rdb.scan_iter(f"{namespace}:*")) == []
+    assert list(rdb.scan_iter(f"{namespace}:*")) == []  # not even a queue declared
+    assert [ready(kit, "default"), ready(kit, "two")] == [0, 0]
 
 
 def test_dispatching_a_plain_object_names_the_problem(make_kit):
@@ -145,12 +149,14 @@ def test_dispatching_a_plain_object_names_the_problem(make_kit):
         kit.dispatch({"order_id": 1})
 
 
+@pytest.mark.usefixtures("broker")
 def test_an_event_nobody_listens_to_sends_nothing(make_kit, rdb, namespace):
     kit = make_kit()
     assert kit.dispatch(NobodyListens(1))
     assert list(rdb.scan_iter(f"{namespace}:*")) == []
 
 
+@pytest.mark.usefixtures("broker")
 def test_module_level_dispatch_uses_the_current_kit(make_kit, start_worker):
     seen: list[OrderPlaced] = []
     kit = make_kit(lambda registry, schedule: registry.listen(OrderPlaced, seen.append, name="collect"))

@@ -25,7 +25,7 @@ import dramatiq_gp as gp
 from dramatiq_gp.names import tick_message_id
 from dramatiq_gp.outbox import INBOX, OUTBOX_EVENTS, prune_inbox
 from dramatiq_gp.settings import Settings, WorkerSettings, inbox_retention_floor, longest_retry_span
-from helpers import messages_of, wait_for
+from helpers import delayed, messages_of, wait_for
 
 EFFECTS = sa.Table(
     "test_inbox_effects",
@@ -73,6 +73,7 @@ def _deliver(kit: gp.Kit, event: object, envelope_id: str) -> list[dramatiq.Mess
     return messages
 
 
+@pytest.mark.usefixtures("broker")
 def test_the_effect_and_the_message_id_commit_together_and_a_redelivered_copy_is_skipped_once(
     make_kit, start_worker, db, caplog
 ):
@@ -98,9 +99,10 @@ def test_the_effect_and_the_message_id_commit_together_and_a_redelivered_copy_is
     assert skipped == [f"task skipped: already applied (inbox) {task}"]
     # The skipped copy ended as done, not failed: no retry, no error line.
     assert not messages_of(caplog, "dramatiq_gp.tasks", logging.ERROR)
-    assert kit.broker.client.zcard(f"{kit.broker.namespace}:default.DQ") == 0
+    assert delayed(kit) == 0
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_failure_rolls_back_the_effect_and_the_id_and_the_retry_applies_it_once(make_kit, start_worker, db):
     kit = make_kit(engine=db)
     attempts: list[int] = []
@@ -121,6 +123,7 @@ def test_a_failure_rolls_back_the_effect_and_the_id_and_the_retry_applies_it_onc
     assert len(_inbox(db)) == 1
 
 
+@pytest.mark.usefixtures("broker")
 def test_the_context_manager_keys_the_transaction_by_the_running_message_and_takes_a_session(
     make_kit, start_worker, db
 ):
@@ -147,6 +150,7 @@ def test_the_context_manager_keys_the_transaction_by_the_running_message_and_tak
     assert _inbox(db) == [(message.message_id, "listener:test.inbox.ordered:record_cm", envelope_id)]
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_chain_listener_event_listener_is_exactly_once_end_to_end(make_kit, start_worker, db, rdb, namespace):
     """Ordered -> invoice (writes Invoiced to the outbox in its inbox transaction) -> book (inbox)."""
     kit = make_kit(engine=db, env={"OUTBOX_RELAY": "false"})
@@ -185,6 +189,7 @@ def test_a_chain_listener_event_listener_is_exactly_once_end_to_end(make_kit, st
     ]
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_job_and_a_plain_actor_use_the_context_manager_with_their_own_message_ids(make_kit, start_worker, db):
     ran = []
 
@@ -288,6 +293,7 @@ def test_the_inbox_retention_defaults_past_the_retry_budget_and_a_shorter_one_is
         Settings.from_env()
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_job_with_inbox_gets_the_transaction_last_and_applies_each_tick_once(make_kit, start_worker, db):
     def report(scheduled_at: datetime, conn: sa.Connection) -> None:
         conn.execute(EFFECTS.insert().values(what=f"report {scheduled_at:%H:%M}"))

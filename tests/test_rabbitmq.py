@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 import dramatiq
 import pika
@@ -35,21 +32,10 @@ from dramatiq_gp.outbox import OUTBOX_EVENTS
 from dramatiq_gp.outbox.relay import Relay
 from dramatiq_gp.registry import EVENT_QUEUE
 from dramatiq_gp.settings import OutboxSettings, SchedulerSettings
-from helpers import wait_for
+from helpers import RABBITMQ_URL as URL
+from helpers import rabbitmq_unreachable, wait_for
 
-URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
-
-
-def _reachable(url: str) -> bool:
-    parts = urlsplit(url)
-    try:
-        socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _reachable(URL), reason=f"no RabbitMQ at {urlsplit(URL).netloc.split('@')[-1]}")
+pytestmark = pytest.mark.skipif(rabbitmq_unreachable(URL) is not None, reason=rabbitmq_unreachable(URL) or "")
 
 
 @pytest.fixture
