@@ -1,7 +1,11 @@
-"""Queue weights: shares by weight with both queues backlogged, work conservation, strict priority."""
+"""Queue weights: shares by weight with both queues backlogged, work conservation, strict priority.
+
+The tests with workers run on both brokers (the ``broker`` fixture).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -14,7 +18,8 @@ import pytest
 from dramatiq.worker import _WorkQueueItem
 
 import dramatiq_gp as gp
-from helpers import messages_of, wait_for
+from helpers import messages_of, ready, wait_for
+from servers import rabbitmq_ctl
 
 
 @dataclass
@@ -57,6 +62,7 @@ def _actors(kit: gp.Kit, starts: Starts, seconds: float) -> tuple[Any, Any]:
 WARM_UP = 16
 
 
+@pytest.mark.usefixtures("broker")
 @pytest.mark.parametrize(("seconds", "backlog", "window"), [(0.002, 600, 400), (0.05, 150, 100)])
 def test_both_queues_backlogged_share_the_threads_by_weight(make_kit, start_worker, seconds, backlog, window):
     kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1"})
@@ -70,6 +76,7 @@ def test_both_queues_backlogged_share_the_threads_by_weight(make_kit, start_work
     assert 0.72 <= share <= 0.78, share
 
 
+@pytest.mark.usefixtures("broker")
 def test_an_empty_heavy_queue_leaves_every_thread_to_the_light_one(make_kit, start_worker):
     kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1"})
     starts = Starts()
@@ -80,6 +87,7 @@ def test_an_empty_heavy_queue_leaves_every_thread_to_the_light_one(make_kit, sta
     assert starts.most_running["mail"] == 8
 
 
+@pytest.mark.usefixtures("broker")
 def test_strict_priority_starts_no_mail_while_default_has_a_backlog(make_kit, start_worker):
     kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1", "WORKER_STRICT_PRIORITY": "true"})
     starts = Starts()
@@ -106,7 +114,8 @@ def test_a_queue_missing_from_worker_queues_is_consumed_with_weight_1_and_named(
     assert warnings == ["queues reports have actors but are not in WORKER_QUEUES; consuming them with weight 1"]
 
 
-def test_dramatiqs_queue_flag_still_decides_what_a_process_consumes(make_kit, start_worker, rdb, namespace):
+@pytest.mark.usefixtures("broker")
+def test_dramatiqs_queue_flag_still_decides_what_a_process_consumes(make_kit, start_worker):
     kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1"})
     starts = Starts()
     default, mail = _actors(kit, starts, 0)
@@ -116,9 +125,27 @@ def test_dramatiqs_queue_flag_still_decides_what_a_process_consumes(make_kit, st
     wait_for(lambda: len(starts.order) == 5)
     time.sleep(0.3)
     assert starts.order == ["default"] * 5
-    assert rdb.llen(f"{namespace}:mail") == 5
+    assert ready(kit, "mail") == 5
 
 
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_on_rabbitmq_each_consumers_prefetch_is_its_basic_qos(broker, make_kit, start_worker):
+    kit = make_kit(env={"WORKER_QUEUES": "default:3,mail:1"})
+    _actors(kit, Starts(), 0)
+    start_worker(kit, threads=8)
+    # prefetch_per_thread messages a thread, by share: default 3/4, mail 1/4; as RabbitMQ itself reports.
+    held = kit.broker.prefetch_per_thread * 8
+    expected = {"default": held * 3 // 4, "mail": held // 4}
+    wait_for(lambda: _prefetch_counts(expected) == expected, timeout=10)
+
+
+def _prefetch_counts(queues: dict[str, int]) -> dict[str, int]:
+    """The prefetch count of each consumer of ``queues`` on the local RabbitMQ (``rabbitmqctl list_consumers``)."""
+    rows = json.loads(rabbitmq_ctl("list_consumers", "-q", "queue_name", "prefetch_count", "--formatter", "json"))
+    return {row["queue_name"]: row["prefetch_count"] for row in rows if row["queue_name"] in queues}
+
+
+@pytest.mark.usefixtures("broker")
 def test_a_retried_message_comes_back_in_its_own_queues_share(make_kit, start_worker):
     kit = make_kit(
         env={"WORKER_QUEUES": "default:3,mail:1", "WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -436,3 +437,79 @@ def test_a_retry_copy_rabbitmq_did_not_take_is_sent_when_the_settle_is_tried_aga
     broker.settle(queue_name, message, "ack")  # its queue declared again, the copy sent, then the ack
     consumer.close()
     assert broker.get_queue_message_counts(queue_name) == (0, 1, 0)
+
+
+def test_a_stop_puts_back_what_was_fetched_and_not_started_with_its_claim_released(
+    make_broker, queue_name, redis_url, namespace, caplog
+):
+    # Idempotent messages are claimed as they are fetched; the ones still waiting for a
+    # thread when the worker stops go back with their claims released, so the next worker
+    # runs them at once rather than deferring them until the claims lapse (a minute).
+    broker = make_broker(
+        client=redis.Redis.from_url(redis_url), namespace=namespace, middleware=[gp.IdempotentExecution()]
+    )
+    ran: list[int] = []
+    started = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.slow", idempotent=True)
+    def slow(n: int) -> None:
+        started.set()
+        time.sleep(0.3)
+        ran.append(n)
+
+    for n in range(10):
+        slow.send(n)
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    assert started.wait(10)
+    worker.stop()
+    left = 10 - len(ran)
+    assert left >= 5  # most were fetched (prefetched) and never started
+    assert broker.get_queue_message_counts(queue_name)[0] == left  # put back
+    worker = dramatiq.Worker(broker, worker_threads=4, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: len(ran) == 10, timeout=10)
+    finally:
+        worker.stop()
+    assert sorted(ran) == list(range(10))
+    assert "another copy is running" not in caplog.text
+
+
+def test_a_batch_is_published_at_once_and_returns_when_every_message_is_confirmed(make_broker, queue_name):
+    broker = make_broker()
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.probe")
+    def probe(n: int) -> None: ...
+
+    messages = [probe.message(n) for n in range(500)]
+    assert broker.enqueue_many(messages) == messages
+    assert broker.get_queue_message_counts(queue_name)[0] == 500  # confirmed: every one is on the queue
+    consumer = broker.consume(queue_name, prefetch=500, timeout=1000)
+    received = [next(consumer).message_id for _ in range(500)]
+    consumer.close()
+    assert received == [m.message_id for m in messages]  # in order
+
+
+def test_a_batch_rabbitmq_did_not_take_is_reported_unsent_and_goes_through_when_sent_again(
+    make_broker, queue_name, caplog
+):
+    unsent: list[str] = []
+
+    class Spy(dramatiq.Middleware):
+        def after_send_failed(self, broker, message, error):
+            unsent.append(message.message_id)
+
+    broker = make_broker(middleware=[Spy()])
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.probe")
+    def probe(n: int) -> None: ...
+
+    messages = [probe.message(n) for n in range(3)]
+    broker.enqueue_many(messages)
+    broker.channel.queue_delete(queue_name)  # the broker still takes it for declared: unroutable
+    with pytest.raises(ConnectionClosed):
+        broker.enqueue_many(messages)
+    assert unsent == [m.message_id for m in messages]
+    broker.enqueue_many(messages)  # declared again, then sent
+    assert broker.get_queue_message_counts(queue_name)[0] == 3
