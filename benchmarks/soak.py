@@ -10,11 +10,12 @@ leader's replica paused with SIGSTOP past the lease TTL, a poison outbox event,
 and garbage pushed into a queue (bytes, JSON of the wrong shape, 100 kB, a task
 type no worker knows); a listener (``audit``) fails half its attempts throughout.
 With ``--broker rabbitmq`` the queues live on a 3-node RabbitMQ cluster of its own
-(quorum queues; Redis keeps the coordination state) and the rotation adds ``kill -9``
-of the RabbitMQ node leading the ``default`` queue and of another node, each started
-again (``rabbitmq_kill_leader``, ``rabbitmq_kill_node``); the garbage is published to
-the queue there. Apart from that rotation, six times a run (every sixth of it, from 45 s), a worker
-is killed between an inbox commit and its ack: the next ``audit`` run to commit
+(quorum queues; Redis keeps the coordination state); besides the rotation, six times
+a run, a RabbitMQ node is killed with ``kill -9`` and started again: the node leading
+the ``default`` queue and another one, in turn (``rabbitmq_kill_leader``,
+``rabbitmq_kill_node``). The garbage is published to the queue there. Apart from
+the rotation, too, six times a run (every sixth of it, from 45 s), a worker is
+killed between an inbox commit and its ack: the next ``audit`` run to commit
 SIGKILLs its own process before acking (``kill_after_commit``), and its replica is
 started again.
 
@@ -173,18 +174,26 @@ class Soak:
         fault_gap = max(5.0, self.minutes * 60 / 40)
         kinds = ["kill_replica", "kill_leader", "pause_leader", "redis_restart", "postgres_restart",
                  "rolling_restart", "poison_event", "garbage_message"]  # fmt: skip
-        if self.rabbitmq is not None:
-            kinds[2:2] = ["rabbitmq_kill_leader"]
-            kinds[6:6] = ["rabbitmq_kill_node"]
-        next_fault = started + fault_gap
+        next_fault, rotation = started + fault_gap, 0
         # Not in the rotation: aimed at the gap between an inbox commit and its ack, at least 4 times a run.
         commit_kill_gap = max(10.0, self.minutes * 60 / 6)
         next_commit_kill = started + min(45.0, commit_kill_gap / 2)
+        # Nor these, six times a run on RabbitMQ: kill -9 of the node leading `default`, then of another, in turn.
+        node_kill_gap = max(20.0, self.minutes * 60 / 6)
+        next_node_kill = started + node_kill_gap / 2 if self.rabbitmq is not None else float("inf")
         while time.monotonic() < end:
             if not self.rss_start and time.monotonic() - started >= min(120, self.minutes * 60 / 3):
                 self.rss_start = self._rss()
-            if time.monotonic() >= next_fault:
-                kind = kinds[sum(self.faults.values()) % len(kinds)]
+            if time.monotonic() >= next_node_kill:
+                kind = ("rabbitmq_kill_leader", "rabbitmq_kill_node")[sum(
+                    self.faults[k] for k in ("rabbitmq_kill_leader", "rabbitmq_kill_node")) % 2]  # fmt: skip
+                self._inject(kind)
+                self.faults[kind] += 1
+                print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
+                next_node_kill = time.monotonic() + node_kill_gap
+            elif time.monotonic() >= next_fault:
+                kind = kinds[rotation % len(kinds)]
+                rotation += 1
                 self._inject(kind)
                 self.faults[kind] += 1
                 print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
