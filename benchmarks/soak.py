@@ -190,7 +190,7 @@ class Soak:
                 self._inject(kind)
                 self.faults[kind] += 1
                 print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
-                next_node_kill = time.monotonic() + node_kill_gap
+                next_node_kill += node_kill_gap  # on the clock: a node takes a while to start again
             elif time.monotonic() >= next_fault:
                 kind = kinds[rotation % len(kinds)]
                 rotation += 1
