@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 import dramatiq
 import pytest
@@ -21,9 +23,19 @@ def run(*args: str) -> Result:
     return CliRunner().invoke(main, list(args))
 
 
-def _flaky_kit(make_kit, fail: threading.Event) -> tuple[gp.Kit, list[str], dramatiq.Actor]:
-    """A kit whose actor ``charge`` fails while ``fail`` is set, retried once, then dead-lettered."""
-    ran: list[str] = []
+@dataclass
+class Declined:
+    """A worker whose actor ``charge`` failed twice (retried once) while ``fail`` was set: one dead letter."""
+
+    kit: gp.Kit
+    message: dramatiq.Message[Any]
+    fail: threading.Event
+    ran: list[str]  #: the ids of the messages that ran through
+
+
+def _declined(make_kit, start_worker, namespace: str, customer: str) -> Declined:
+    fail, ran = threading.Event(), []
+    fail.set()
 
     class Succeeded(dramatiq.Middleware):
         def after_process_message(self, broker, message, *, result=None, exception=None):
@@ -37,18 +49,16 @@ def _flaky_kit(make_kit, fail: threading.Event) -> tuple[gp.Kit, list[str], dram
         if fail.is_set():
             raise RuntimeError("the card was declined")
 
-    return kit, ran, charge
+    message = charge.send(customer)
+    start_worker(kit)
+    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    return Declined(kit, message, fail, ran)
 
 
 def test_a_dead_letter_is_listed_with_why_it_died_and_its_arguments_only_with_pii_on(
     make_kit, start_worker, clean_env, namespace
 ):
-    fail = threading.Event()
-    fail.set()
-    kit, _ran, charge = _flaky_kit(make_kit, fail)
-    message = charge.send("ada@example.com")
-    start_worker(kit)
-    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    message = _declined(make_kit, start_worker, namespace, "ada@example.com").message
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
 
     listed = run("dlq", "list", "default")
@@ -71,19 +81,15 @@ def test_a_dead_letter_is_listed_with_why_it_died_and_its_arguments_only_with_pi
 
 
 def test_a_requeued_dead_letter_runs_again_with_its_message_id(make_kit, start_worker, clean_env, namespace):
-    fail = threading.Event()
-    fail.set()
-    kit, ran, charge = _flaky_kit(make_kit, fail)
-    message = charge.send("c1")
-    start_worker(kit)
-    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
-    fail.clear()  # the card works now
+    declined = _declined(make_kit, start_worker, namespace, "c1")
+    declined.fail.clear()  # the card works now
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
-    (letter,) = deadletters.page(kit.broker.client, namespace, "default")
+    client = declined.kit.broker.client
+    (letter,) = deadletters.page(client, namespace, "default")
     done = run("dlq", "requeue", "default", letter.id)
     assert (done.exit_code, done.stdout) == (0, "1 dead letter(s) of queue default requeued\n")
-    wait_for(lambda: ran == [message.message_id])
-    assert deadletters.count(kit.broker.client, namespace, "default") == 0
+    wait_for(lambda: declined.ran == [declined.message.message_id])
+    assert deadletters.count(client, namespace, "default") == 0
 
 
 def _bury(client: redis.Redis, namespace: str, queue: str, count: int) -> list[str]:

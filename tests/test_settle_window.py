@@ -54,28 +54,34 @@ def _settle_calls(server: OwnRedis, run: Callable[[], None], script: str = _SCRI
     return len({command for command in seen if command.startswith(f"EVALSHA {sha}")})
 
 
+def _twenty_settled(server: OwnRedis, kit: Any, start_worker: Any, script: str, **options: Any) -> int:
+    """Run 20 quick messages of an actor with ``options`` to the end; how many calls of ``script`` settled them."""
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=kit.broker, actor_name="quick", **options)
+    def quick(n: int) -> None:
+        ran.append(n)
+
+    for n in range(20):
+        quick.send(n)
+
+    def run_all() -> None:
+        worker = start_worker(kit)
+        wait_for(lambda: len(ran) == 20)
+        worker.stop()
+
+    calls = _settle_calls(server, run_all, script)
+    assert sorted(ran) == list(range(20))
+    return calls
+
+
 @pytest.mark.parametrize(("window", "most_calls"), [("300ms", 2), ("0", 20)])
 def test_the_acks_of_one_window_go_to_redis_in_one_call(window, most_calls, tmp_path, make_kit, start_worker):
     server = OwnRedis(tmp_path / "redis")
     server.start()
     try:
         kit = make_kit(env={"REDIS_URL": server.url, "WORKER_SETTLE_WINDOW": window})
-        ran: list[int] = []
-
-        @dramatiq.actor(broker=kit.broker, actor_name="quick")
-        def quick(n: int) -> None:
-            ran.append(n)
-
-        for n in range(20):
-            quick.send(n)
-
-        def run_all() -> None:
-            worker = start_worker(kit)
-            wait_for(lambda: len(ran) == 20)
-            worker.stop()
-
-        calls = _settle_calls(server, run_all)
-        assert sorted(ran) == list(range(20))
+        calls = _twenty_settled(server, kit, start_worker, _SCRIPTS["settle"])
         # Each message settled on its own without a window; a handful of calls at most with one.
         assert 1 <= calls <= most_calls, calls
         if window == "0":
@@ -182,22 +188,7 @@ def test_on_rabbitmq_the_outcomes_of_one_window_go_to_redis_in_one_call(
     server.start()
     try:
         kit = make_kit(env={"REDIS_URL": server.url, "WORKER_SETTLE_WINDOW": window})
-        ran: list[int] = []
-
-        @dramatiq.actor(broker=kit.broker, actor_name="quick", idempotent=True)
-        def quick(n: int) -> None:
-            ran.append(n)
-
-        for n in range(20):
-            quick.send(n)
-
-        def run_all() -> None:
-            worker = start_worker(kit)
-            wait_for(lambda: len(ran) == 20)
-            worker.stop()
-
-        calls = _settle_calls(server, run_all, rabbitmq_broker._SCRIPTS["record"])
-        assert sorted(ran) == list(range(20))
+        calls = _twenty_settled(server, kit, start_worker, rabbitmq_broker._SCRIPTS["record"], idempotent=True)
         assert 1 <= calls <= most_calls, calls
         if window == "0":
             assert calls == 20, calls
