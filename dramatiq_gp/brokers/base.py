@@ -270,6 +270,15 @@ class KitBroker(Broker):
         """
         return self.settler is None or self.settler.flush(retry=retry)
 
+    def close(self) -> None:
+        if not self.flush_settles(retry=False):
+            logger.warning(
+                "%d settle(s) could not be written as the broker closed; those messages run again "
+                "(on Redis after the heartbeat timeout, on RabbitMQ once the connection is gone)",
+                self.settler.pending if self.settler else 0,
+            )
+        super().close()
+
 
 def kit_broker(broker: Broker, middleware: Middleware) -> KitBroker:
     """``broker``, which ``middleware`` needs to be one of the kit's brokers.

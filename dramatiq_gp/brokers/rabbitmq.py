@@ -290,11 +290,6 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self.settle(queue_name, message, "ack")
 
     def close(self) -> None:
-        if not self.flush_settles(retry=False):
-            logger.warning(
-                "%d settle(s) could not be written as the broker closed; those messages run again",
-                self.settler.pending if self.settler else 0,
-            )
         super().close()
         self.client.close()
 

@@ -238,14 +238,6 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
             raise
 
-    def close(self) -> None:
-        if not self.flush_settles(retry=False):
-            logger.warning(
-                "%d settle(s) could not be written as the broker closed; those messages run again "
-                "on another worker after the heartbeat timeout", self.settler.pending if self.settler else 0,
-            )  # fmt: skip
-        super().close()
-
     def _write_settles(self, batch: Sequence[Settle]) -> None:
         """Settle every message of ``batch`` in one Lua call (``settle.lua``), then announce their copies.
 
