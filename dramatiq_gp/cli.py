@@ -424,7 +424,7 @@ def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
     else:
         if one_word:  # an entry name
             client = _redis(settings)
-            scheduler = keys.SchedulerKeys(settings.scheduler.namespace or settings.queue.namespace)
+            scheduler = _scheduler_keys(settings)
             published = client.hget(scheduler.entries, entry_or_spec)
             if published is None:
                 where = scheduler.prefix
@@ -448,8 +448,9 @@ def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
         click.echo(at.astimezone(zone).isoformat())
 
 
-def _scheduler(settings: Settings) -> tuple[redis.Redis, keys.SchedulerKeys]:
-    return _redis(settings), keys.SchedulerKeys(settings.scheduler.namespace or settings.queue.namespace)
+def _scheduler_keys(settings: Settings) -> keys.SchedulerKeys:
+    """The keys of the scheduler these settings name (``SCHEDULER_NAMESPACE``, by default the queues')."""
+    return keys.SchedulerKeys(settings.scheduler.namespace or settings.queue.namespace)
 
 
 @schedule.command("pause")
@@ -461,7 +462,8 @@ def schedule_pause(entry: str) -> None:
     Example:
       dramatiq-gp schedule pause shop.nightly_sales_report
     """
-    client, scheduler = _scheduler(_settings())
+    settings = _settings()
+    client, scheduler = _redis(settings), _scheduler_keys(settings)
     if not client.hexists(scheduler.entries, entry):
         _fail(f"no schedule entry {entry!r} in scheduler {scheduler.namespace} (`dramatiq-gp status` lists them)")
     paused = {"by": f"{_actor()} (cli)", "at": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -479,7 +481,8 @@ def schedule_resume(entry: str) -> None:
     Example:
       dramatiq-gp schedule resume shop.nightly_sales_report
     """
-    client, scheduler = _scheduler(_settings())
+    settings = _settings()
+    client, scheduler = _redis(settings), _scheduler_keys(settings)
     if not client.hdel(scheduler.paused, entry):
         _fail(f"schedule entry {entry!r} is not paused")
     _audit("schedule resume", f"entry {entry} resumed")
@@ -682,7 +685,7 @@ def status(as_json: bool) -> None:
     settings = _settings()
     client = _redis(settings)
     namespace = settings.queue.namespace
-    schedulers = {keys.SchedulerKeys(settings.scheduler.namespace or namespace)}
+    schedulers = {_scheduler_keys(settings)}
     found = client.scan_iter(keys.ALL_SCHEDULER_ENTRIES, count=1000)
     schedulers |= {keys.SchedulerKeys.from_entries_key(key.decode()) for key in found}
     report: dict[str, Any] = {
