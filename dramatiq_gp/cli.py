@@ -11,7 +11,6 @@ from __future__ import annotations
 import getpass
 import importlib
 import json
-import logging
 import os
 import sys
 import uuid
@@ -247,32 +246,28 @@ def outbox_replay(event_id: str) -> None:
     Example:
       dramatiq-gp outbox replay 0b6c1f0e-4c5d-4d4e-9a53-2f1b2c3d4e5f
     """
-    from . import outbox
+    from .actions import replay_event
 
     try:
         uuid.UUID(event_id)
     except ValueError:
         _fail(f"{event_id!r} is not an event id (a UUID, as `dramatiq-gp outbox failed` lists them)")
-    with _database(_settings()) as engine, engine.begin() as conn:
-        if not outbox.retry_failed(conn, [event_id]):
+    with _database(_settings()) as engine:
+        if not replay_event(engine, event_id, who=_who()):
             _fail(f"no set-aside event {event_id}")
-    _audit("outbox replay", f"event {event_id} pending again")
     click.echo(f"event {event_id} pending again")
 
 
 # -- dead letters ------------------------------------------------------------------
 
 
-def _actor() -> str:
-    """Who runs this command, for the line every action logs."""
+def _who() -> str:
+    """Who runs this command, for the line every action logs (:mod:`dramatiq_gp.actions`)."""
     try:
-        return getpass.getuser()
+        user = getpass.getuser()
     except (KeyError, OSError):
-        return f"uid {os.getuid()}"
-
-
-def _audit(action: str, outcome: str) -> None:
-    logging.getLogger("dramatiq_gp.actions").info("%s by %s (cli): %s", action, _actor(), outcome)
+        user = f"uid {os.getuid()}"
+    return f"{user} (cli)"
 
 
 def _dead_letters() -> tuple[redis.Redis, str, bool]:
@@ -354,13 +349,12 @@ def dlq_requeue(queue: str, ids: tuple[str, ...], every: bool) -> None:
     Example:
       dramatiq-gp dlq requeue default --all
     """
-    from . import deadletters
+    from .actions import requeue_dead_letters
 
     if bool(ids) == every:
         _fail("give the dead letter ids to requeue (as `dramatiq-gp dlq list` shows them), or --all")
     client, namespace, _ = _dead_letters()
-    moved = deadletters.requeue(client, namespace, queue, None if every else list(ids))
-    _audit("dlq requeue", f"{moved} dead letter(s) of queue {queue} requeued")
+    moved = requeue_dead_letters(client, namespace, queue, None if every else list(ids), who=_who())
     click.echo(f"{moved} dead letter(s) of queue {queue} requeued")
 
 
@@ -374,13 +368,12 @@ def dlq_purge(queue: str, yes: bool) -> None:
     Example:
       dramatiq-gp dlq purge default --yes
     """
-    from . import deadletters
+    from .actions import purge_dead_letters
 
     if not yes:
         _fail(f"purging deletes every dead letter of queue {queue} for good: add --yes")
     client, namespace, _ = _dead_letters()
-    purged = deadletters.purge(client, namespace, queue)
-    _audit("dlq purge", f"{purged} dead letter(s) of queue {queue} deleted")
+    purged = purge_dead_letters(client, namespace, queue, who=_who())
     click.echo(f"{purged} dead letter(s) of queue {queue} deleted")
 
 
@@ -462,13 +455,12 @@ def schedule_pause(entry: str) -> None:
     Example:
       dramatiq-gp schedule pause shop.nightly_sales_report
     """
+    from .actions import pause_entry
+
     settings = _settings()
     client, scheduler = _redis(settings), _scheduler_keys(settings)
-    if not client.hexists(scheduler.entries, entry):
+    if not pause_entry(client, scheduler, entry, who=_who()):
         _fail(f"no schedule entry {entry!r} in scheduler {scheduler.namespace} (`dramatiq-gp status` lists them)")
-    paused = {"by": f"{_actor()} (cli)", "at": datetime.now(UTC).isoformat(timespec="seconds")}
-    client.hset(scheduler.paused, entry, json.dumps(paused))
-    _audit("schedule pause", f"entry {entry} paused")
     click.echo(f"entry {entry} paused: its ticks are passed over until `dramatiq-gp schedule resume {entry}`")
 
 
@@ -481,11 +473,12 @@ def schedule_resume(entry: str) -> None:
     Example:
       dramatiq-gp schedule resume shop.nightly_sales_report
     """
+    from .actions import resume_entry
+
     settings = _settings()
     client, scheduler = _redis(settings), _scheduler_keys(settings)
-    if not client.hdel(scheduler.paused, entry):
+    if not resume_entry(client, scheduler, entry, who=_who()):
         _fail(f"schedule entry {entry!r} is not paused")
-    _audit("schedule resume", f"entry {entry} resumed")
     click.echo(f"entry {entry} resumed: it fires from its next tick")
 
 

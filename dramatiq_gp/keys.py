@@ -9,9 +9,13 @@ Dramatiq's own layout (its ``brokers/redis/dispatch.lua``), under a namespace:
 * ``<ns>:__heartbeats__``: the worker processes' last beats (a sorted set).
 
 The kit's own, under the same namespace: ``<ns>:gp:done:<message id>`` (the
-idempotency claim or done mark of a message id) and ``<ns>:gp:skipped`` (messages
-skipped for want of a handler, per task type). The scheduler's, under
-``<scheduler namespace>:scheduler:``: see :class:`SchedulerKeys`.
+idempotency claim or done mark of a message id), ``<ns>:gp:skipped`` (messages
+skipped for want of a handler, per task type), and what the dashboard reads
+without scanning the keyspace: ``<ns>:gp:queues`` (the queues consumed),
+``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:throughput:<minute>`` (the
+messages settled per queue and minute) and ``<ns>:gp:failures`` (the latest
+failures). The scheduler's, under ``<scheduler namespace>:scheduler:``: see
+:class:`SchedulerKeys`.
 """
 
 from __future__ import annotations
@@ -58,8 +62,23 @@ def heartbeats(namespace: str) -> str:
 
 
 def declared_queues(namespace: str) -> str:
-    """The queues declared on a broker other than Redis (RabbitMQ), for ``dramatiq-gp status`` (a set)."""
+    """The queues the workers consume (declared, on RabbitMQ), for ``status`` and the dashboard (a set)."""
     return f"{namespace}:gp:queues"
+
+
+def workers(namespace: str) -> str:
+    """Broker id → a worker process's host, pid, queues and weights, as JSON (a hash; Redis only)."""
+    return f"{namespace}:gp:workers"
+
+
+def throughput(namespace: str, minute: int) -> str:
+    """``<queue>:done|retried|dead`` → messages settled so in that minute since the epoch (a hash, kept 2 h)."""
+    return f"{namespace}:gp:throughput:{minute}"
+
+
+def failures(namespace: str) -> str:
+    """The latest failed attempts, newest first, as JSON (a list capped by :mod:`.middleware.failures`)."""
+    return f"{namespace}:gp:failures"
 
 
 def done_prefix(namespace: str) -> str:
@@ -122,6 +141,11 @@ class SchedulerKeys:
     def entries(self) -> str:
         """Entry name → ``<trigger>|<zone>``, published for ``dramatiq-gp status`` (a hash)."""
         return f"{self.prefix}:entries"
+
+    @property
+    def catchup(self) -> str:
+        """The catch-up policy the workers run with (``SCHEDULER_CATCHUP*``), as JSON, for the dashboard."""
+        return f"{self.prefix}:catchup"
 
     @property
     def upcoming(self) -> str:

@@ -200,8 +200,8 @@ def test_default_middleware_is_the_kits_list_in_the_kits_order(clean_env, make_k
     names = [type(m).__name__ for m in gp.default_middleware(kit.settings)]
     assert names == [type(m).__name__ for m in kit.broker.middleware]
     assert names == [
-        "SchedulerLease", "AsyncIO", "Lifecycle", "IdempotentExecution", "Listeners", "TaskLog", "PanicRecovery",
-        "AgeLimit", "TimeLimit", "ShutdownNotifications", "Callbacks", "Pipelines", "Retries",
+        "SchedulerLease", "AsyncIO", "Lifecycle", "IdempotentExecution", "Listeners", "TaskLog", "RecentFailures",
+        "PanicRecovery", "AgeLimit", "TimeLimit", "ShutdownNotifications", "Callbacks", "Pipelines", "Retries",
     ]  # fmt: skip
 
 

@@ -126,6 +126,10 @@ class KitBroker(Broker):
     #: Collects the settles of ``WORKER_SETTLE_WINDOW`` into one call; None settles each at once.
     settler: Settler[Settle] | None = None
 
+    #: What this worker process tells the dashboard about itself beyond its host and pid
+    #: (``QueueWeights`` adds the weights); published when a consumer starts.
+    worker_info: dict[str, Any]
+
     _hook_cache: dict[str, list[Callable[..., Any]]]
     _hooks_for: int
 

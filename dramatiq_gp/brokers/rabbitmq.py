@@ -124,6 +124,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self.client = client if client is not None else redis.Redis()
         self.namespace = namespace
         self.unknown_task_grace_ms = unknown_task_grace_ms
+        self.worker_info: dict[str, Any] = {}
         self._record = self.client.register_script(_SCRIPTS["record"])
         if settle_window_ms > 0:
             self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000,

@@ -68,7 +68,10 @@ The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections import deque
@@ -118,6 +121,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
 
     def __init__(self, *, unknown_task_grace_ms: int = 300_000, settle_window_ms: float = 1, **options: Any) -> None:
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
+        self.worker_info: dict[str, Any] = {}
         self._hooks_for = 0  # how many middleware the cache was built for
         super().__init__(**options)  # type: ignore[no-untyped-call]
         self.unknown_task_grace_ms = unknown_task_grace_ms
@@ -128,6 +132,26 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         # Redis ids for batches: unique per broker and call, cheaper than a uuid4 each.
         self._id_prefix = f"{uuid4()}-"
         self._id_counter = itertools.count()
+        self._consumed: set[str] = set()
+        self._started_ms = current_millis()
+
+    def register_consumer(self, queue_name: str) -> None:
+        """Record ``queue_name`` among the queues consumed, and this worker process, for the dashboard.
+
+        The dashboard reads these rather than scanning the keyspace for queues. A
+        failure here is logged, not raised: the consumer's fetch reports a lost connection.
+        """
+        self._consumed.add(queue_name)
+        worker = {"host": socket.gethostname(), "pid": os.getpid(), "started_ms": self._started_ms,
+                  "queues": sorted(self._consumed), **self.worker_info}  # fmt: skip
+        ns = self.namespace
+        try:
+            self._scripts["register"](
+                keys=[keys.declared_queues(ns), keys.workers(ns), keys.heartbeats(ns)],
+                args=[queue_name, self.broker_id, json.dumps(worker), current_millis()],
+            )
+        except redis.RedisError as exc:
+            logger.warning("could not record queue %r for the dashboard in Redis: %s", queue_name, exc)
 
     def _redis_id(self) -> str:
         return f"{self._id_prefix}{next(self._id_counter)}"
@@ -245,13 +269,16 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         alone), so a batch whose reply was lost can be retried.
         """
         ns = self.namespace
-        touched = [keys.heartbeats(ns)]
+        now = current_millis()
+        touched = [keys.heartbeats(ns), keys.throughput(ns, now // 60_000)]
         first_key: dict[str, int] = {}
-        args: list[Any] = [current_millis(), self.broker_id]
+        names: list[str] = []
+        args: list[Any] = []
         for queue_name, message, command in batch:
             q = first_key.get(queue_name)
             if q is None:
                 q = first_key[queue_name] = len(touched) + 1
+                names.append(q_name(queue_name))
                 touched += [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
                             keys.queue(ns, queue_name), keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name),
                             keys.delay_queue(ns, queue_name), keys.delay_messages(ns, queue_name)]  # fmt: skip
@@ -267,7 +294,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             args += [command[0].upper(), q, message.options["redis_message_id"], key_index, plan.outcome, plan.token,
                      plan.retention_ms, copy.options["redis_message_id"] if copy else "",
                      copy.encode() if copy else b""]  # fmt: skip
-        self._scripts["settle"](keys=touched, args=args)
+        self._scripts["settle"](keys=touched, args=[now, self.broker_id, len(names), *names, *args])
         for _, message, command in batch:
             plan = settlement(message)
             if plan is None or plan.redeliver is None:
@@ -331,6 +358,8 @@ class _Consumer(_RedisConsumer):
         self._maintain_at = 0.0  # the first fetch maintains: a crashed predecessor's messages come back now
         if self.queue_name.endswith(".DQ"):
             self._return_dropped_delayed()
+        else:
+            self.broker.register_consumer(self.queue_name)
 
     def _return_dropped_delayed(self) -> None:
         """Put back the delayed messages this process fetched but no longer holds.

@@ -3,7 +3,7 @@
 Each works in a broker's middleware list on its own, and says in its docstring
 which hooks it uses and what it needs. Those that rely on the kit's Redis
 protocol (:class:`IdempotentExecution`, :class:`Retries`, :class:`OutboxRelay`,
-:class:`SchedulerLease`, strict :class:`QueueWeights`) refuse any broker but
+:class:`SchedulerLease`, :class:`RecentFailures`, strict :class:`QueueWeights`) refuse any broker but
 :class:`dramatiq_gp.RedisBroker` when the worker boots, in one line naming both.
 
 ``Sentry`` lives in :mod:`dramatiq_gp.middleware.sentry`, imported only when
@@ -24,6 +24,7 @@ from ..registry import Registry, default_registry
 from ..scheduler import Entry, Schedule, default_schedule
 from ..settings import Settings
 from ..telemetry import Telemetry
+from .failures import RecentFailures
 from .idempotency import ClaimUnavailable, IdempotentExecution
 from .lifecycle import Lifecycle
 from .listeners import Listeners
@@ -49,6 +50,7 @@ __all__ = [
     "OutboxRelay",
     "PanicRecovery",
     "QueueWeights",
+    "RecentFailures",
     "Retries",
     "SchedulerLease",
     "TaskLog",
@@ -133,6 +135,7 @@ def default_middleware(
         IdempotentExecution(retention_ms=_ms(worker.dedup_retention)),
         Listeners(registry),
         TaskLog(),
+        RecentFailures(),
         PanicRecovery(),
         AgeLimit(),
         TimeLimit(),

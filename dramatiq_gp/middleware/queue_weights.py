@@ -176,6 +176,7 @@ class QueueWeights(Middleware):
         self._threads = worker.worker_threads
         if isinstance(broker, KitBroker):
             self._per_thread = broker.prefetch_per_thread
+            broker.worker_info.update(weights=weights, strict=self.strict)
         self._work_queue = WeightedQueue(weights, strict=self.strict)
         worker.work_queue = self._work_queue  # type: ignore[assignment]
         mode = "strict priority" if self.strict else "weighted"

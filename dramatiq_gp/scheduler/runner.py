@@ -159,6 +159,10 @@ class Runner:
         client.hset(
             self.keys.entries, mapping={entry.name: f"{entry.text}|{entry.zone.key}" for entry in self.schedule}
         )
+        policy = self.settings
+        client.set(self.keys.catchup, json.dumps({
+            "policy": policy.catchup, "grace_s": policy.catchup_grace.total_seconds(), "max": policy.catchup_max,
+        }))  # fmt: skip
         for entry in self.schedule:
             self._timer.add_job(
                 functools.partial(self._fire_due, entry), trigger=entry.trigger, id=entry.name,

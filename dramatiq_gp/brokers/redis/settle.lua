@@ -1,16 +1,28 @@
 -- Settles a batch of fetched messages (ack, nack or requeue), each with what the
 -- kit records alongside it: the idempotency outcome and a delayed copy.
 --
--- KEYS: heartbeats, then seven keys per queue in the batch (acks, msgs, queue,
---       xq, xq msgs, delay queue, delay msgs), then the idempotency keys.
--- ARGV: now, worker id, then one entry per message:
+-- Each message settled here is counted in this minute's throughput hash, under
+-- "<queue>:done", "<queue>:retried" (acked with a copy to run later) or
+-- "<queue>:dead", for the dashboard.
+--
+-- KEYS: heartbeats, this minute's throughput, then seven keys per queue in the
+--       batch (acks, msgs, queue, xq, xq msgs, delay queue, delay msgs), then
+--       the idempotency keys.
+-- ARGV: now, worker id, how many queues, each queue's name (in the order of
+--       their keys), then one entry per message:
 --       plain: "a"|"n"|"r", first key of its queue, redis message id
 --       full:  "A"|"N"|"R", first key of its queue, redis message id, key index
 --              of its idempotency key (0: none), outcome, token, retention ms,
 --              copy id ("": none), copy data
 local now = ARGV[1]
 redis.call("zadd", KEYS[1], now, ARGV[2])
-local i = 3
+local queues = tonumber(ARGV[3])
+local counts = {}
+local function count(q, kind)
+    local field = ARGV[3 + (q - 3) / 7 + 1] .. kind
+    counts[field] = (counts[field] or 0) + 1
+end
+local i = 4 + queues
 while i <= #ARGV do
     local tag = ARGV[i]
     local command = string.lower(tag)
@@ -34,6 +46,9 @@ while i <= #ARGV do
         end
     end
     if tag == command then
+        if held and command ~= "r" then
+            count(q, command == "a" and ":done" or ":dead")
+        end
         i = i + 3
     else
         local key_index, outcome, token, retention = tonumber(ARGV[i + 3]), ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
@@ -42,6 +57,9 @@ while i <= #ARGV do
         if held and copy_id ~= "" and command ~= "r" then
             redis.call("hset", dq_msgs, copy_id, copy_data)
             redis.call("rpush", dq, copy_id)
+        end
+        if held and command ~= "r" then
+            count(q, command == "n" and ":dead" or (copy_id ~= "" and ":retried" or ":done"))
         end
         if key_index > 0 then
             local key = KEYS[key_index]
@@ -53,4 +71,10 @@ while i <= #ARGV do
         end
         i = i + 9
     end
+end
+if next(counts) then
+    for field, n in pairs(counts) do
+        redis.call("hincrby", KEYS[2], field, n)
+    end
+    redis.call("pexpire", KEYS[2], 7200000)
 end
