@@ -33,6 +33,9 @@ from devtools.services import services  # noqa: E402
 from dramatiq_gp import keys  # noqa: E402
 from helpers import RABBITMQ_URL, own_database, rabbitmq_unreachable  # noqa: E402
 
+# The browser tests' fixtures (``browser``, ``page``), in a module of their own.
+pytest_plugins = ["browser"]
+
 
 @pytest.fixture(autouse=True)
 def _collect_garbage_after_each_test() -> Iterator[None]:
