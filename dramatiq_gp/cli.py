@@ -73,10 +73,15 @@ class _OneLineErrors(click.Group):
 
 
 def _settings() -> Settings:
+    """The settings, with logging set up as the worker's (``LOG_*``): actions log who did them there."""
+    from .telemetry import configure_logging
+
     try:
-        return Settings.from_env()
+        settings = Settings.from_env()
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    configure_logging(settings.log, send_default_pii=settings.sentry.send_default_pii)
+    return settings
 
 
 @contextmanager
@@ -646,6 +651,42 @@ def add_job(module: str, name: str, cron: str, queue: str, is_async: bool, root:
     from . import generate
 
     _apply(lambda: generate.add_job(root, module, name, cron=cron, queue=queue, is_async=is_async))
+
+
+# -- dashboard ---------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", default=8642, show_default=True, type=click.IntRange(0, 65535), help="port to listen on")
+@click.option("--read-only", is_flag=True, help="show everything, do nothing: every action is hidden and refused")
+def dashboard(host: str, port: int, read_only: bool) -> None:
+    """Serve the web dashboard: queues, workers, the scheduler, the outbox, dead letters, recent failures.
+
+    Off loopback it refuses to start without DASHBOARD_USER and DASHBOARD_PASSWORD,
+    or DASHBOARD_TOKEN. Needs the dashboard extra (pip install 'dramatiq-gp[dashboard]').
+
+    \b
+    Example:
+      dramatiq-gp dashboard --port 8642 --read-only
+    """
+    try:
+        import uvicorn
+
+        from .dashboard import create_app, loopback
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the dashboard needs the dashboard extra: pip install 'dramatiq-gp[dashboard]' ({exc})"
+        ) from None
+    settings = _settings()
+    if not loopback(host) and not settings.dashboard.credentials:
+        _fail(f"--host {host} is not loopback: set DASHBOARD_USER and DASHBOARD_PASSWORD, or DASHBOARD_TOKEN, "
+              "so that not everyone who can reach it can act on your queues")  # fmt: skip
+    client = _redis(settings)
+    app = create_app(settings, read_only=read_only, client=client)
+    mode = " (read-only)" if read_only else ""
+    click.echo(f"dashboard{mode} on http://{host}:{port}/ reading {settings.queue.display()}")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 # -- status ------------------------------------------------------------------------

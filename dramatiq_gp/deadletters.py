@@ -9,8 +9,9 @@ message ids scored by when each died, and ``<ns>:<queue>.XQ.msgs``, their messag
 A dead letter is shown by its Redis message id (the handle ``show`` and ``requeue``
 take), with its message id, task type, retries, age and why it died: the reason
 the kit gave it (``gp_dead_letter_reason``: an unknown task type, a malformed
-message) or the last line of the traceback Dramatiq's retries kept. Its arguments
-may hold personal data, so they are shown only when asked for with ``pii=True``
+message) or the exception its last attempt raised (the broker keeps the dead
+letter as that attempt left it, with Dramatiq's traceback). Its arguments may
+hold personal data, so they are shown only when asked for with ``pii=True``
 (``SENTRY_SEND_DEFAULT_PII``, the rule Sentry follows), and ``[Filtered]`` otherwise.
 
 Requeuing moves a dead letter back to the end of its queue as it is, with its
@@ -121,12 +122,23 @@ def _letter(queue: str, id: str, dead_at_ms: int, raw: bytes | str, pii: bool) -
                           FILTERED, FILTERED)  # fmt: skip
     reason = options.get(DEAD_LETTER_REASON)
     if reason is None and isinstance(options.get("traceback"), str):
-        reason = options["traceback"].strip().splitlines()[-1]
+        reason = _exception_line(options["traceback"])
     return DeadLetter(
         id, queue, dead_at_ms, _str(message.get("message_id")), _str(message.get("actor_name")),
         int(options.get("retries") or 0), reason,
         message.get("args") if pii else FILTERED, message.get("kwargs") if pii else FILTERED,
     )  # fmt: skip
+
+
+def _exception_line(traceback: str) -> str:
+    """The first line of the exception a traceback ends with: ``Type: message``.
+
+    Not the last line: an exception's message can run on (SQLAlchemy's ends with a
+    link, and carries the statement and its parameters in between).
+    """
+    lines = traceback.rstrip().splitlines()
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith('  File "')), default=-1)
+    return next((line for line in lines[last_frame + 1 :] if line and not line.startswith(" ")), lines[-1])
 
 
 def _str(value: Any) -> str | None:

@@ -465,6 +465,28 @@ class SentrySettings(BaseSettings):
     crons: bool = True
 
 
+class DashboardSettings(BaseSettings):
+    """``DASHBOARD_*``: who may use ``dramatiq-gp dashboard`` (required off loopback)."""
+
+    model_config = SettingsConfigDict(env_prefix="DASHBOARD_", extra="ignore")
+
+    #: HTTP Basic credentials, both or neither.
+    user: str | None = None
+    password: SecretStr | None = None
+    #: A bearer token (``Authorization: Bearer <token>``), with or instead of the user and password.
+    token: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _both(self) -> DashboardSettings:
+        if (self.user is None) != (self.password is None):
+            raise ValueError("DASHBOARD_USER and DASHBOARD_PASSWORD go together: set both or neither")
+        return self
+
+    @property
+    def credentials(self) -> bool:
+        return self.user is not None or self.token is not None
+
+
 G = TypeVar("G", bound=BaseSettings)
 
 
@@ -481,6 +503,7 @@ class Settings:
     otel: OtelSettings = field(default_factory=lambda: OtelSettings())
     sentry: SentrySettings = field(default_factory=lambda: SentrySettings())
     broker: BrokerSettings = field(default_factory=lambda: BrokerSettings())
+    dashboard: DashboardSettings = field(default_factory=lambda: DashboardSettings())
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -501,12 +524,13 @@ class Settings:
         worker, queue, log = load(WorkerSettings), load(QueueSettings), load(LogSettings)
         db, outbox, scheduler = load(DatabaseSettings), load(OutboxSettings), load(SchedulerSettings)
         otel, sentry, broker = load(OtelSettings), load(SentrySettings), load(BrokerSettings)
-        groups = (worker, queue, log, db, outbox, scheduler, otel, sentry, broker)
+        dashboard = load(DashboardSettings)
+        groups = (worker, queue, log, db, outbox, scheduler, otel, sentry, broker, dashboard)
         if problems or any(group is None for group in groups):
             raise ConfigError("invalid configuration: " + "; ".join(problems))
         assert worker is not None and outbox is not None
         outbox = resolve_inbox_retention(worker, outbox)
-        return cls(worker, queue, log, db, outbox, scheduler, otel, sentry, broker)  # type: ignore[arg-type]
+        return cls(worker, queue, log, db, outbox, scheduler, otel, sentry, broker, dashboard)  # type: ignore[arg-type]
 
 
 def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:

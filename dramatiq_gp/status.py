@@ -17,6 +17,9 @@ import redis
 from . import keys
 from .scheduler.cron import CronError, parse
 
+#: How many next fires each entry shows.
+NEXT_FIRES = 3
+
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -38,22 +41,29 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
     for name, trigger_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(scheduler.entries).items()):
         trigger, _, zone = trigger_zone.rpartition("|")
         last_ms = last.get(name)
+        fires = _next_fires(trigger, ZoneInfo(zone), published.get(name, []), now, NEXT_FIRES)
         entries.append({
             "name": name, "trigger": trigger, "zone": zone,
-            "next_fire": _next_fire(trigger, ZoneInfo(zone), published.get(name, []), now),
+            "next_fire": fires[0] if fires else None,
+            "next_fires": [datetime.fromisoformat(at).astimezone(ZoneInfo(zone)).isoformat() for at in fires],
             "last_fired": datetime.fromtimestamp(last_ms / 1000, UTC).isoformat() if last_ms is not None else None,
             "paused": paused.get(name),
         })  # fmt: skip
-    return {"namespace": scheduler.namespace, "leader": leader, "entries": entries}
+    catchup = client.get(scheduler.catchup)
+    return {"namespace": scheduler.namespace, "leader": leader, "entries": entries,
+            "catchup": json.loads(catchup) if catchup else None}  # fmt: skip
 
 
-def _next_fire(trigger: str, zone: ZoneInfo, published: list[str], now: datetime) -> str | None:
-    """A cron string's next fire, computed here; another trigger's, as the workers published it."""
+def _next_fires(trigger: str, zone: ZoneInfo, published: list[str], now: datetime, count: int) -> list[str]:
+    """A cron string's next fires, computed here; another trigger's, as the workers published them."""
     try:
         spec = parse(trigger)
     except CronError:
-        return next((t for t in published if datetime.fromisoformat(t) > now), None)
-    return spec.next_after(now, zone).isoformat()
+        return [t for t in published if datetime.fromisoformat(t) > now][:count]
+    fires = [spec.next_after(now, zone)]
+    while len(fires) < count:
+        fires.append(spec.next_after(fires[-1], zone))
+    return [at.isoformat() for at in fires]
 
 
 def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:

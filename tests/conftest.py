@@ -101,7 +101,19 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> pytest.MonkeyP
     """An environment with no kit variables but REDIS_URL."""
     for name in list(os.environ):
         if name.startswith(
-            ("WORKER_", "VALKEY_", "LOG_", "SCHEDULER_", "OUTBOX_", "DB_", "OTEL_", "SENTRY_", "BROKER_", "RABBITMQ_")
+            (
+                "WORKER_",
+                "VALKEY_",
+                "LOG_",
+                "SCHEDULER_",
+                "OUTBOX_",
+                "DB_",
+                "OTEL_",
+                "SENTRY_",
+                "BROKER_",
+                "RABBITMQ_",
+                "DASHBOARD_",
+            )
         ):
             monkeypatch.delenv(name)
     monkeypatch.setenv("REDIS_URL", redis_url)

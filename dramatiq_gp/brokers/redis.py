@@ -133,6 +133,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         self._id_prefix = f"{uuid4()}-"
         self._id_counter = itertools.count()
         self._consumed: set[str] = set()
+        self._register_lock = threading.Lock()
         self._started_ms = current_millis()
 
     def register_consumer(self, queue_name: str) -> None:
@@ -141,17 +142,19 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         The dashboard reads these rather than scanning the keyspace for queues. A
         failure here is logged, not raised: the consumer's fetch reports a lost connection.
         """
-        self._consumed.add(queue_name)
-        worker = {"host": socket.gethostname(), "pid": os.getpid(), "started_ms": self._started_ms,
-                  "queues": sorted(self._consumed), **self.worker_info}  # fmt: skip
         ns = self.namespace
-        try:
-            self._scripts["register"](
-                keys=[keys.declared_queues(ns), keys.workers(ns), keys.heartbeats(ns)],
-                args=[queue_name, self.broker_id, json.dumps(worker), current_millis()],
-            )
-        except redis.RedisError as exc:
-            logger.warning("could not record queue %r for the dashboard in Redis: %s", queue_name, exc)
+        # Consumers start in threads of their own: one at a time, so the last record written lists every queue.
+        with self._register_lock:
+            self._consumed.add(queue_name)
+            worker = {"host": socket.gethostname(), "pid": os.getpid(), "started_ms": self._started_ms,
+                      "queues": sorted(self._consumed), **self.worker_info}  # fmt: skip
+            try:
+                self._scripts["register"](
+                    keys=[keys.declared_queues(ns), keys.workers(ns), keys.heartbeats(ns)],
+                    args=[queue_name, self.broker_id, json.dumps(worker), current_millis()],
+                )
+            except redis.RedisError as exc:
+                logger.warning("could not record queue %r for the dashboard in Redis: %s", queue_name, exc)
 
     def _redis_id(self) -> str:
         return f"{self._id_prefix}{next(self._id_counter)}"
@@ -283,17 +286,20 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                             keys.queue(ns, queue_name), keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name),
                             keys.delay_queue(ns, queue_name), keys.delay_messages(ns, queue_name)]  # fmt: skip
             plan = settlement(message)
-            if plan is None:
+            if plan is None and command != "nack":
                 args += [command[0], q, message.options["redis_message_id"]]
                 continue
             key_index = 0
-            if plan.key:
+            if plan is not None and plan.key:
                 touched.append(plan.key)
                 key_index = len(touched)
-            copy = plan.redeliver
-            args += [command[0].upper(), q, message.options["redis_message_id"], key_index, plan.outcome, plan.token,
-                     plan.retention_ms, copy.options["redis_message_id"] if copy else "",
-                     copy.encode() if copy else b""]  # fmt: skip
+            copy = plan.redeliver if plan is not None else None
+            # A dead letter keeps the last attempt's options (its traceback, its retries), not the
+            # message as fetched: without them, one that failed at its first attempt says nothing of why.
+            data = message.encode() if command == "nack" else (copy.encode() if copy else b"")
+            args += [command[0].upper(), q, message.options["redis_message_id"], key_index,
+                     plan.outcome if plan else "", plan.token if plan else "", plan.retention_ms if plan else 0,
+                     copy.options["redis_message_id"] if copy else "", data]  # fmt: skip
         self._scripts["settle"](keys=touched, args=[now, self.broker_id, len(names), *names, *args])
         for _, message, command in batch:
             plan = settlement(message)

@@ -13,7 +13,7 @@
 --       plain: "a"|"n"|"r", first key of its queue, redis message id
 --       full:  "A"|"N"|"R", first key of its queue, redis message id, key index
 --              of its idempotency key (0: none), outcome, token, retention ms,
---              copy id ("": none), copy data
+--              copy id ("": none), copy data (for "N": the dead letter to keep)
 local now = ARGV[1]
 redis.call("zadd", KEYS[1], now, ARGV[2])
 local queues = tonumber(ARGV[3])
@@ -38,6 +38,10 @@ while i <= #ARGV do
             redis.call("rpush", queue, id)
         else
             local data = redis.call("hget", msgs, id)
+            -- A full nack carries the message as its last attempt left it: that is what is kept.
+            if data and tag == "N" then
+                data = ARGV[i + 8]
+            end
             if data then
                 redis.call("zadd", xq, now, id)
                 redis.call("hset", xq_msgs, id, data)

@@ -1,0 +1,285 @@
+"""The dashboard's pages and actions, as a Starlette application (see :func:`create_app`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import redis
+from dramatiq.common import current_millis
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from .. import actions
+from ..settings import Settings
+from .access import CSRF_FIELD, Credentials, RequireCredentials, csrf_ok, csrf_token, keep_csrf, who
+from .reader import PAGE, Reader
+
+HERE = Path(__file__).parent
+FLASH_COOKIE = "gp_flash"
+
+
+def _when(ms: int | None) -> str:
+    if ms is None:
+        return "never"
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds")
+
+
+def _age(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    s = max(0, (current_millis() - ms) // 1000)
+    if s < 60:
+        return f"{s}s"
+    if s < 3_600:
+        return f"{s // 60}m {s % 60}s"
+    if s < 86_400:
+        return f"{s // 3_600}h {s % 3_600 // 60}m"
+    return f"{s // 86_400}d {s % 86_400 // 3_600}h"
+
+
+class _Dashboard:
+    """The routes, bound to one :class:`Reader`."""
+
+    def __init__(self, reader: Reader, *, read_only: bool) -> None:
+        self.reader = reader
+        self.read_only = read_only
+        self.templates = Jinja2Templates(directory=HERE / "templates")
+        self.templates.env.filters.update(when=_when, age=_age, tojson_pretty=lambda v: json.dumps(v, indent=2))
+
+    def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+        flash = request.cookies.get(FLASH_COOKIE)
+        response = self.templates.TemplateResponse(
+            request, name, {"read_only": self.read_only, "csrf": csrf_token(request), "flash": unquote(flash or ""),
+                            "on_rabbitmq": self.reader.on_rabbitmq, **context},
+            status_code=status_code,
+        )  # fmt: skip
+        if flash:
+            response.delete_cookie(FLASH_COOKIE, path=request.scope.get("root_path") or "/")
+        return keep_csrf(request, response)
+
+    # -- pages ---------------------------------------------------------------------
+
+    def overview(self, request: Request) -> Response:
+        now = current_millis()
+        return self.render(request, "overview.html", page="overview", now_ms=now, **self.reader.overview(now))
+
+    def scheduler(self, request: Request) -> Response:
+        return self.render(request, "scheduler.html", page="scheduler", scheduler=self.reader.scheduler())
+
+    def outbox(self, request: Request) -> Response:
+        return self.render(request, "outbox.html", page="outbox", outbox=self.reader.outbox())
+
+    def dead_letter_queues(self, request: Request) -> Response:
+        queues = [] if self.reader.on_rabbitmq else self.reader.dead_letter_counts()
+        return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=queues)
+
+    def dead_letters(self, request: Request) -> Response:
+        queue = request.path_params["queue"]
+        if self.reader.on_rabbitmq:
+            return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=[])
+        try:
+            offset = max(0, int(request.query_params.get("offset", "0")))
+        except ValueError:
+            offset = 0
+        total, letters = self.reader.dead_letters(queue, offset)
+        return self.render(request, "dead_letters.html", page="dead_letters", queue=queue, total=total,
+                           letters=letters, offset=offset, size=PAGE, pii=self.reader.pii)  # fmt: skip
+
+    def dead_letter(self, request: Request) -> Response:
+        queue, id = request.path_params["queue"], request.path_params["id"]
+        letter = None if self.reader.on_rabbitmq else self.reader.dead_letter(queue, id)
+        if letter is None:
+            return PlainTextResponse(f"no dead letter {id} in queue {queue}", 404)
+        return self.render(request, "dead_letter.html", page="dead_letters", queue=queue, letter=letter,
+                           pii=self.reader.pii)  # fmt: skip
+
+    def failures(self, request: Request) -> Response:
+        return self.render(request, "failures.html", page="failures", failures=self.reader.failures())
+
+    # -- actions -------------------------------------------------------------------
+
+    async def act(
+        self, request: Request, *, title: str, consequence: str, perform: Callable[[FormData, str], str], back: str
+    ) -> Response:
+        """An action: refused when read-only or without the page's CSRF token, confirmed, done, logged."""
+        if self.read_only:
+            return PlainTextResponse("this dashboard is read-only (--read-only)", 403)
+        form = await request.form()
+        if not csrf_ok(request, form.get(CSRF_FIELD)):
+            return PlainTextResponse("CSRF check failed: reload the page and try again", 403)
+        if form.get("confirmed") != "yes":
+            fields = [(k, v) for k, v in form.multi_items() if k not in (CSRF_FIELD, "confirmed")]
+            return self.render(request, "confirm.html", page=None, title=title, consequence=consequence,
+                               fields=fields, action=str(request.url.path), back=back)  # fmt: skip
+        outcome = await run_in_threadpool(perform, form, who(request))
+        response = RedirectResponse(back, 303)
+        response.set_cookie(FLASH_COOKIE, quote(outcome), path=request.scope.get("root_path") or "/",
+                            httponly=True, samesite="strict")  # fmt: skip
+        return response
+
+    async def requeue(self, request: Request) -> Response:
+        queue = request.path_params["queue"]
+        form = await request.form()
+        ids = None if form.get("all") == "yes" else [str(i) for i in form.getlist("id")]
+        if ids == []:
+            return PlainTextResponse("give the dead letters to requeue (id), or all=yes", 400)
+        what = f"all {queue}'s dead letters" if ids is None else f"{len(ids)} dead letter(s) of queue {queue}"
+
+        def perform(form: FormData, by: str) -> str:
+            r = self.reader
+            moved = actions.requeue_dead_letters(r.client, r.namespace, queue, ids, who=by)
+            return f"{moved} dead letter(s) of queue {queue} requeued"
+
+        return await self.act(
+            request, title=f"Requeue {what}?", perform=perform, back=str(request.url_for("dead_letters", queue=queue)),
+            consequence="Each goes back to the end of its queue with its message id, so a copy that already "
+            "completed is still skipped. It keeps its retry count.",
+        )  # fmt: skip
+
+    async def purge(self, request: Request) -> Response:
+        queue = request.path_params["queue"]
+
+        def perform(form: FormData, by: str) -> str:
+            purged = actions.purge_dead_letters(self.reader.client, self.reader.namespace, queue, who=by)
+            return f"{purged} dead letter(s) of queue {queue} deleted"
+
+        return await self.act(
+            request, title=f"Purge every dead letter of queue {queue}?", perform=perform,
+            consequence="They are deleted for good.", back=str(request.url_for("dead_letters", queue=queue)),
+        )  # fmt: skip
+
+    async def replay(self, request: Request) -> Response:
+        event_id = request.path_params["event_id"]
+        try:
+            uuid.UUID(event_id)
+        except ValueError:
+            return PlainTextResponse(f"{event_id!r} is not an event id", 400)
+        if self.reader.engine is None:
+            return PlainTextResponse("no database configured: set DB_URL", 400)
+
+        def perform(form: FormData, by: str) -> str:
+            if not actions.replay_event(self.reader.engine, event_id, who=by):
+                return f"no set-aside event {event_id}"
+            return f"event {event_id} pending again"
+
+        return await self.act(
+            request, title=f"Replay event {event_id}?", perform=perform, back=str(request.url_for("outbox")),
+            consequence="It becomes pending again and the relays send it, with its attempts reset.",
+        )  # fmt: skip
+
+    async def pause(self, request: Request) -> Response:
+        entry = request.path_params["entry"]
+
+        def perform(form: FormData, by: str) -> str:
+            if not actions.pause_entry(self.reader.client, self.reader.scheduler_keys, entry, who=by):
+                return f"no schedule entry {entry}"
+            return f"entry {entry} paused"
+
+        return await self.act(
+            request, title=f"Pause {entry}?", perform=perform, back=str(request.url_for("scheduler")),
+            consequence="The leader passes over its ticks from the next one until it is resumed; "
+            "the ticks of the pause are not caught up.",
+        )  # fmt: skip
+
+    async def resume(self, request: Request) -> Response:
+        entry = request.path_params["entry"]
+
+        def perform(form: FormData, by: str) -> str:
+            if not actions.resume_entry(self.reader.client, self.reader.scheduler_keys, entry, who=by):
+                return f"entry {entry} was not paused"
+            return f"entry {entry} resumed"
+
+        return await self.act(
+            request, title=f"Resume {entry}?", perform=perform, back=str(request.url_for("scheduler")),
+            consequence="It fires again from its next tick.",
+        )  # fmt: skip
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    read_only: bool = False,
+    credentials: Credentials | None = None,
+    client: redis.Redis | None = None,
+    engine: Any = None,
+) -> Starlette:
+    """The dashboard as an ASGI application, to serve (``dramatiq-gp dashboard``) or mount in your own.
+
+    Parameters:
+        settings: where to read from; default :meth:`Settings.from_env`.
+        read_only: hide every action, and refuse them.
+        credentials: what every request must carry; default ``DASHBOARD_*``.
+            Mounted in an application that authenticates by itself, pass
+            ``Credentials()`` and that application's user is the one logged.
+        client: the Redis/Valkey client; default one from ``REDIS_URL``/``VALKEY_*``.
+        engine: the outbox's SQLAlchemy engine; default one from ``DB_*`` when set.
+            Those built here are closed when the application's lifespan ends (a
+            mounted application's lifespan does not run: pass your own to close them).
+    """
+    settings = settings if settings is not None else Settings.from_env()
+    if credentials is None:
+        dash = settings.dashboard
+        credentials = Credentials(
+            dash.user, dash.password.get_secret_value() if dash.password else None,
+            dash.token.get_secret_value() if dash.token else None,
+        )  # fmt: skip
+    owned: list[Callable[[], object]] = []  # closed when the application stops (its lifespan)
+    if client is None:
+        client = redis.Redis.from_url(
+            settings.queue.connection_url(), socket_connect_timeout=5, **settings.queue.client_options()
+        )
+        owned.append(client.close)
+    if engine is None and settings.db.configured:
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(settings.db.sqlalchemy_url(), pool_pre_ping=True)
+        owned.append(engine.dispose)
+    dashboard = _Dashboard(Reader(settings, client, engine), read_only=read_only)
+    display = settings.queue.display()
+
+    def unreachable(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse(f"Redis/Valkey unreachable at {display}: {exc}", 503)
+
+    d = dashboard
+    routes = [
+        Route("/", d.overview, name="overview"),
+        Route("/scheduler", d.scheduler, name="scheduler"),
+        Route("/scheduler/{entry}/pause", d.pause, methods=["POST"], name="pause"),
+        Route("/scheduler/{entry}/resume", d.resume, methods=["POST"], name="resume"),
+        Route("/outbox", d.outbox, name="outbox"),
+        Route("/outbox/{event_id}/replay", d.replay, methods=["POST"], name="replay"),
+        Route("/dead-letters", d.dead_letter_queues, name="dead_letter_queues"),
+        Route("/dead-letters/{queue}", d.dead_letters, name="dead_letters"),
+        Route("/dead-letters/{queue}/requeue", d.requeue, methods=["POST"], name="requeue"),
+        Route("/dead-letters/{queue}/purge", d.purge, methods=["POST"], name="purge"),
+        Route("/dead-letters/{queue}/{id}", d.dead_letter, name="dead_letter"),
+        Route("/failures", d.failures, name="failures"),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        for close in owned:
+            close()
+
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(RequireCredentials, credentials=credentials)],
+        exception_handlers={redis.RedisError: unreachable},
+        lifespan=lifespan,
+    )

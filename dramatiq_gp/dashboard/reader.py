@@ -1,0 +1,159 @@
+"""What the dashboard's pages show, read from Redis (and PostgreSQL for the outbox).
+
+Every read is bounded by the number of queues, workers and entries, or by the
+page asked for, never by how many messages there are: the queues come from the
+set the consumers record (``<ns>:gp:queues``), each queue's counts are O(1)
+commands (``LLEN``, ``HLEN``, ``ZCARD``) sent in one pipeline, and nothing scans
+the keyspace. An overview is five round trips, a page of dead letters three.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from .. import deadletters, keys
+from ..settings import Settings
+from ..status import outbox_status, rabbitmq_queue_status, scheduler_status
+
+#: Minutes of throughput the overview shows.
+MINUTES = 15
+#: A worker whose last heartbeat is older than this is not shown (Dramatiq's default heartbeat timeout).
+LIVE_MS = 60_000
+#: Dead letters and failures per page.
+PAGE = 50
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class Reader:
+    """The reads behind each page, for one deployment's settings."""
+
+    settings: Settings
+    client: redis.Redis
+    engine: Any = None  #: the outbox's database; None when ``DB_*`` is not set
+
+    @property
+    def namespace(self) -> str:
+        return self.settings.queue.namespace
+
+    @property
+    def scheduler_keys(self) -> keys.SchedulerKeys:
+        return keys.SchedulerKeys(self.settings.scheduler.namespace or self.namespace)
+
+    @property
+    def on_rabbitmq(self) -> bool:
+        return bool(self.settings.broker.url)
+
+    @property
+    def pii(self) -> bool:
+        return self.settings.sentry.send_default_pii
+
+    def queue_names(self) -> list[str]:
+        return sorted(_text(name) for name in self.client.smembers(keys.declared_queues(self.namespace)))
+
+    def queues(self) -> list[dict[str, Any]]:
+        """Per queue: ready, in flight, delayed and dead (on RabbitMQ, what AMQP tells)."""
+        if self.on_rabbitmq:
+            return rabbitmq_queue_status(self.settings.broker.urls(), self.client, self.namespace)
+        names = self.queue_names()
+        ns = self.namespace
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.llen(keys.queue(ns, name))
+                pipe.hlen(keys.messages(ns, name))
+                pipe.hlen(keys.delay_messages(ns, name))
+                pipe.zcard(keys.dead(ns, name))
+            counts = pipe.execute()
+        queues = []
+        for i, name in enumerate(names):
+            ready, stored, delayed, dead = counts[4 * i : 4 * i + 4]
+            queues.append({"name": name, "ready": ready, "in_flight": max(stored - ready, 0), "delayed": delayed,
+                           "dead": dead})  # fmt: skip
+        return queues
+
+    def throughput(self, now_ms: int) -> dict[str, Any]:
+        """Messages settled per minute over the last :data:`MINUTES`: per queue, and in all."""
+        minutes = list(range(now_ms // 60_000 - MINUTES + 1, now_ms // 60_000 + 1))
+        with self.client.pipeline(transaction=False) as pipe:
+            for minute in minutes:
+                pipe.hgetall(keys.throughput(self.namespace, minute))
+            counted = pipe.execute()
+        per_queue: dict[str, dict[str, int]] = {}
+        total = []
+        for counts in counted:
+            row = {"done": 0, "retried": 0, "dead": 0}
+            for field, n in counts.items():
+                queue, _, kind = _text(field).rpartition(":")
+                row[kind] = row.get(kind, 0) + int(n)
+                per_queue.setdefault(queue, {"done": 0, "retried": 0, "dead": 0})[kind] += int(n)
+            total.append(row)
+        peak = max([1, *(row["done"] + row["retried"] + row["dead"] for row in total)])
+        return {"minutes": [m * 60_000 for m in minutes], "total": total, "per_queue": per_queue, "peak": peak}
+
+    def workers(self, now_ms: int) -> list[dict[str, Any]]:
+        """The worker processes with a heartbeat in the last :data:`LIVE_MS`, with what they recorded."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zrangebyscore(keys.heartbeats(self.namespace), now_ms - LIVE_MS, "+inf", withscores=True)
+            pipe.hgetall(keys.workers(self.namespace))
+            beats, records = pipe.execute()
+        recorded = {_text(k): json.loads(v) for k, v in records.items()}
+        workers = []
+        for broker_id, beat in beats:
+            worker = recorded.get(_text(broker_id), {})
+            workers.append({"id": _text(broker_id), "beat_ms": int(beat), "host": worker.get("host"),
+                            "pid": worker.get("pid"), "started_ms": worker.get("started_ms"),
+                            "queues": worker.get("queues", []), "weights": worker.get("weights"),
+                            "strict": worker.get("strict", False)})  # fmt: skip
+        return sorted(workers, key=lambda w: (str(w["host"]), w["pid"] or 0))
+
+    def overview(self, now_ms: int) -> dict[str, Any]:
+        workers = [] if self.on_rabbitmq else self.workers(now_ms)
+        weights: dict[str, Any] = {}
+        for worker in workers:
+            for queue, weight in (worker["weights"] or {}).items():
+                weights.setdefault(queue, {"weight": weight, "strict": worker["strict"]})
+        return {
+            "queues": self.queues(),
+            "weights": weights,
+            "throughput": None if self.on_rabbitmq else self.throughput(now_ms),
+            "workers": workers,
+        }
+
+    def scheduler(self) -> dict[str, Any]:
+        return scheduler_status(self.client, self.scheduler_keys)
+
+    def outbox(self, limit: int = PAGE) -> dict[str, Any] | None:
+        """The backlog, the oldest pending event's age (the relays' lag) and the events set aside."""
+        if self.engine is None:
+            return None
+        from ..outbox import failed_events
+
+        status = outbox_status(self.engine)
+        with self.engine.connect() as conn:
+            status["failed"] = failed_events(conn, limit=limit)
+        return status
+
+    def dead_letter_counts(self) -> list[dict[str, Any]]:
+        names = self.queue_names()
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.zcard(keys.dead(self.namespace, name))
+            counts = pipe.execute()
+        return [{"name": name, "dead": n} for name, n in zip(names, counts, strict=True)]
+
+    def dead_letters(self, queue: str, offset: int, limit: int = PAGE) -> tuple[int, list[deadletters.DeadLetter]]:
+        letters = deadletters.page(self.client, self.namespace, queue, offset=offset, limit=limit, pii=self.pii)
+        return deadletters.count(self.client, self.namespace, queue), letters
+
+    def dead_letter(self, queue: str, id: str) -> deadletters.DeadLetter | None:
+        return deadletters.get(self.client, self.namespace, queue, id, pii=self.pii)
+
+    def failures(self, limit: int = 100) -> list[dict[str, Any]]:
+        return [json.loads(item) for item in self.client.lrange(keys.failures(self.namespace), 0, limit - 1)]

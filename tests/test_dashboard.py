@@ -1,0 +1,264 @@
+"""The dashboard over real HTTP (uvicorn) against real Redis: what it shows, what it lets through, and its cost.
+
+The browser half, against the shop's worker, is in ``test_dashboard_browser.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.cookiejar
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import dramatiq
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+import dramatiq_gp as gp
+from dramatiq_gp import deadletters, keys
+from dramatiq_gp.dashboard import Credentials, create_app
+from helpers import wait_for
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port, in a thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@dataclass
+class Reply:
+    status: int
+    body: str
+    url: str
+    headers: Any
+
+
+class Browser:
+    """A cookie-keeping HTTP client (urllib), enough to follow the dashboard's forms."""
+
+    def __init__(self, base: str, headers: dict[str, str] | None = None) -> None:
+        self.base = base
+        self.headers = headers or {}
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+
+    def open(self, path: str, form: dict[str, Any] | None = None) -> Reply:
+        data = urllib.parse.urlencode(form, doseq=True).encode() if form is not None else None
+        request = urllib.request.Request(self.base + path, data=data, headers=self.headers)
+        try:
+            with self.opener.open(request, timeout=10) as response:
+                return Reply(response.status, response.read().decode(), response.url, response.headers)
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return Reply(exc.code, exc.read().decode(), exc.url, exc.headers)
+
+    def csrf(self, path: str) -> str:
+        match = re.search(r'name="csrf" value="([^"]+)"', self.open(path).body)
+        assert match, f"no form on {path}"
+        return match.group(1)
+
+
+def _failing_kit(make_kit: Any, namespace: str, env: dict[str, str] | None = None) -> tuple[gp.Kit, threading.Event]:
+    """A Kit with ``work`` (on default) and ``mail`` (on mail), and ``charge``, which fails while ``fail`` is set."""
+    fail = threading.Event()
+    fail.set()
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace, "WORKER_QUEUES": "default:3,mail:1", **(env or {})})
+
+    @dramatiq.actor(broker=kit.broker, actor_name="work")
+    def work() -> None:
+        pass
+
+    @dramatiq.actor(broker=kit.broker, actor_name="mail", queue_name="mail")
+    def mail() -> None:
+        pass
+
+    @dramatiq.actor(broker=kit.broker, actor_name="charge", max_retries=0)
+    def charge(customer: str) -> None:
+        if fail.is_set():
+            raise RuntimeError("the card was declined")
+
+    return kit, fail
+
+
+def _commandstats(client: Any) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("scan", "keys")}
+
+
+def test_the_overview_shows_the_queues_workers_throughput_and_failures_without_scanning(
+    make_kit, start_worker, namespace, rdb
+):
+    kit, _ = _failing_kit(make_kit, namespace)
+    work, mail, charge = (kit.broker.get_actor(name) for name in ("work", "mail", "charge"))
+    for _ in range(20):
+        work.send()
+    for _ in range(5):
+        mail.send()
+    declined = charge.send("ada@example.com")
+    start_worker(kit)
+    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    kit.broker.join("default")
+    kit.broker.join("mail")
+    kit.broker.flush_settles()
+
+    with serving(create_app()) as base:
+        before = _commandstats(rdb)
+        page = Browser(base).open("/")
+        assert _commandstats(rdb) == before  # no SCAN or KEYS on the request path
+        failures = Browser(base).open("/failures").body
+    assert page.status == 200
+    row = re.search(r'<tr data-queue="default">(.*?)</tr>', page.body, re.S)
+    assert row, page.body
+    cells = re.findall(r'<td class="n[^"]*">(.*?)</td>', row.group(1), re.S)
+    # ready, in flight, delayed, dead (a link to its dead letters), weight, done per minute
+    assert cells[:3] == ["0", "0", "0"] and ">1</a>" in cells[3] and cells[4].startswith("3"), cells
+    assert 'data-queue="mail"' in page.body
+    assert f'<td class="n">{os.getpid()}</td>' in page.body  # this process, from its heartbeat
+    assert "default:3, mail:1" in page.body
+
+    throughput = gp.dashboard.reader.Reader(gp.Settings.from_env(), kit.broker.client).throughput(
+        dramatiq.common.current_millis()
+    )
+    assert throughput["per_queue"]["default"] == {"done": 20, "retried": 0, "dead": 1}
+    assert throughput["per_queue"]["mail"]["done"] == 5
+
+    assert "RuntimeError: the card was declined" in failures
+    assert declined.message_id in failures
+    assert "ada@example.com" not in failures  # the arguments are never kept
+
+
+def test_an_action_needs_the_pages_csrf_token_and_a_confirmation_and_is_logged_with_who(
+    make_kit, start_worker, namespace, caplog
+):
+    kit, fail = _failing_kit(make_kit, namespace)
+    ran: list[str] = []
+    kit.broker.add_middleware(_Ran(ran))
+    declined = kit.broker.get_actor("charge").send("c1")
+    start_worker(kit)
+    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    fail.clear()  # the card works now
+    (letter,) = deadletters.page(kit.broker.client, namespace, "default")
+
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        token = browser.csrf("/dead-letters/default")
+        assert browser.open("/dead-letters/default/requeue", {"id": letter.id}).status == 403
+        assert browser.open("/dead-letters/default/requeue", {"id": letter.id, "csrf": "forged"}).status == 403
+        other = Browser(base)  # another site's page: it has no cookie of ours
+        assert other.open("/dead-letters/default/requeue", {"id": letter.id, "csrf": token}).status == 403
+
+        confirm = browser.open("/dead-letters/default/requeue", {"id": letter.id, "csrf": token})
+        assert confirm.status == 200 and "Requeue 1 dead letter(s) of queue default?" in confirm.body
+        assert deadletters.count(kit.broker.client, namespace, "default") == 1  # nothing done yet
+
+        with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
+            done = browser.open("/dead-letters/default/requeue", {"id": letter.id, "csrf": token, "confirmed": "yes"})
+        assert done.status == 200 and done.url.endswith("/dead-letters/default")
+        assert "1 dead letter(s) of queue default requeued" in done.body
+        wait_for(lambda: ran == [declined.message_id])  # it ran again, under its message id
+    assert [r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.actions"] == [
+        "dlq requeue by anonymous (dashboard, 127.0.0.1): 1 dead letter(s) of queue default requeued"
+    ]
+
+
+class _Ran(dramatiq.Middleware):
+    def __init__(self, ran: list[str]) -> None:
+        self.ran = ran
+
+    def after_process_message(self, broker, message, *, result=None, exception=None):
+        if exception is None and message.actor_name == "charge":
+            self.ran.append(message.message_id)
+
+
+def test_read_only_hides_and_refuses_every_action(make_kit, start_worker, namespace, rdb):
+    kit, _ = _failing_kit(make_kit, namespace)
+    kit.broker.get_actor("charge").send("c1")
+    start_worker(kit)
+    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
+    (letter,) = deadletters.page(kit.broker.client, namespace, "default")
+
+    with serving(create_app(read_only=True)) as base:
+        browser = Browser(base)
+        for path in ("/", "/scheduler", "/dead-letters/default", f"/dead-letters/default/{letter.id}", "/outbox"):
+            page = browser.open(path)
+            assert page.status == 200 and "<button" not in page.body and 'id="read-only"' in page.body, path
+        assert "nightly" in browser.open("/scheduler").body
+        for path in ("/dead-letters/default/requeue", "/dead-letters/default/purge", "/scheduler/nightly/pause"):
+            refused = browser.open(path, {"all": "yes", "confirmed": "yes"})
+            assert refused.status == 403 and "read-only" in refused.body, path
+    assert deadletters.count(kit.broker.client, namespace, "default") == 1
+    assert not rdb.hlen(keys.SchedulerKeys(namespace).paused)
+
+
+def test_with_credentials_every_request_needs_them(clean_env, namespace):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    app = create_app(credentials=Credentials("alice", "s3cret", "t0ken"))
+    basic = "Basic " + base64.b64encode(b"alice:s3cret").decode()
+    wrong = "Basic " + base64.b64encode(b"alice:guess").decode()
+    with serving(app) as base:
+        refused = Browser(base).open("/")
+        assert refused.status == 401 and refused.headers["WWW-Authenticate"] == 'Basic realm="dramatiq-gp"'
+        assert Browser(base, {"Authorization": wrong}).open("/").status == 401
+        assert Browser(base, {"Authorization": "Bearer nope"}).open("/scheduler").status == 401
+        assert Browser(base, {"Authorization": basic}).open("/").status == 200
+        assert Browser(base, {"Authorization": "Bearer t0ken"}).open("/scheduler").status == 200
+        assert Browser(base).open("/static/dashboard.css").status == 401
+
+
+def test_mounted_in_an_application_its_links_keep_the_mount_path(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    app = Starlette(routes=[Mount("/ops", create_app(client=rdb))])  # a mounted app's lifespan does not run
+    with serving(app) as base:
+        page = Browser(base).open("/ops/")
+        assert page.status == 200
+        assert f'href="{base}/ops/scheduler"' in page.body
+        assert Browser(base).open("/ops/static/dashboard.css").status == 200
+
+
+OFF_LOOPBACK = "--host 0.0.0.0 is not loopback: set DASHBOARD_USER and DASHBOARD_PASSWORD, or DASHBOARD_TOKEN"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--host", "0.0.0.0"], {}, OFF_LOOPBACK),
+        ([], {"DASHBOARD_USER": "alice"}, "DASHBOARD_USER and DASHBOARD_PASSWORD go together: set both or neither"),
+        ([], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Redis/Valkey unreachable at redis://127.0.0.1:1/0"),
+    ],
+    ids=["off-loopback", "half-credentials", "no-redis"],
+)
+def test_the_dashboard_command_refuses_to_start_in_one_line(args, env, message, clean_env):
+    run_env = {**os.environ, **env}
+    done = subprocess.run(
+        [sys.executable, "-m", "dramatiq_gp", "dashboard", "--port", "0", *args],
+        env=run_env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, done
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert message in done.stderr

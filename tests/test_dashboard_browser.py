@@ -1,0 +1,286 @@
+"""The dashboard in headless Chromium, against a real worker running the shop (``dramatiq examples.shop.worker``).
+
+A user's path through it: the leader and the next fires, a dead letter requeued
+and run, a set-aside event replayed, a job paused and resumed; and the refusals
+(``--read-only``, credentials off loopback). With ``GP_SCREENSHOTS=<dir>`` each
+page is saved there too (``docs/img`` holds the ones ``docs/dashboard.md`` shows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from devtools.services import free_port
+from dramatiq_gp import deadletters
+from helpers import own_database, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = "shop.nightly_sales_report"
+SHOTS = os.environ.get("GP_SCREENSHOTS")
+
+
+@dataclass
+class Shop:
+    env: dict[str, str]
+    engine: sa.Engine
+    client: redis.Redis
+    namespace: str
+    url: str
+    tmp: Path
+
+    def report_mails(self) -> int:
+        with self.engine.connect() as conn:
+            query = "SELECT count(*) FROM shop_sent_emails WHERE subject LIKE 'Sales report%'"
+            return int(conn.execute(sa.text(query)).scalar_one())
+
+    def sale(self, order_id: int) -> bool:
+        with self.engine.connect() as conn:
+            found = conn.execute(sa.text("SELECT 1 FROM shop_sales WHERE order_id = :id"), {"id": order_id})
+            return found.first() is not None
+
+    def place_order(self, order_id: int, *, set_aside: bool = False) -> str:
+        """An order and its event, in one transaction; with ``set_aside``, the event as the relays give one up."""
+        from examples.shop.place_orders import place_order
+
+        with Session(self.engine) as session, session.begin():
+            event_id = place_order(session, order_id, f"customer{order_id}@example.com", 1999)
+            if set_aside:
+                session.execute(
+                    sa.text("UPDATE outbox_events SET failed_at = now(), attempts = 10, "
+                            "last_error = 'ConnectionError: broker unreachable' WHERE id = :id"),
+                    {"id": event_id},
+                )  # fmt: skip
+        return event_id
+
+
+def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _answers(url: str, headers: dict[str, str] | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2):
+            return True
+    except OSError as exc:
+        return getattr(exc, "code", None) is not None  # an HTTP error: it is up
+
+
+@contextlib.contextmanager
+def dashboard(shop: Shop, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, Path]]:
+    """``dramatiq-gp dashboard`` in a process of its own; yields its URL and its log."""
+    port = free_port()
+    log = shop.tmp / f"dashboard-{port}.log"
+    command = [sys.executable, "-m", "dramatiq_gp", "dashboard", "--port", str(port), *args]
+    process = _start(command, {**shop.env, **(env or {})}, log)
+    try:
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/") or process.poll() is not None, timeout=30)
+        assert process.poll() is None, log.read_text()
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="module")
+def shop(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
+    """The shop's worker (the report every 2 s, no retries by default), its tables, and a dashboard on it."""
+    tmp = tmp_path_factory.mktemp("shop")
+    namespace = f"gpt-dash-{os.getpid()}"
+    with own_database(service_env["DB_URL"]) as db_url:
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "VALKEY_", "DB_", "DASHBOARD_"))},
+            "REDIS_URL": service_env["REDIS_URL"], "DB_URL": db_url, "VALKEY_NAMESPACE": namespace,
+            "SHOP_REPORT_CRON": "@every 2s", "WORKER_MAX_RETRIES": "0",
+        }  # fmt: skip
+        env.pop("BROKER_URL", None)
+        subprocess.run([sys.executable, "-m", "examples.shop.migrate"], cwd=ROOT, env=env, check=True, timeout=60)
+        worker = _start([sys.executable, "-m", "dramatiq", "examples.shop.worker", "-p", "1", "-t", "2"], env,
+                        tmp / "worker.log")  # fmt: skip
+        engine = sa.create_engine(db_url)
+        client = redis.Redis.from_url(service_env["REDIS_URL"], decode_responses=True)
+        shop = Shop(env, engine, client, namespace, "", tmp)
+        try:
+            with dashboard(shop) as (url, _):
+                shop.url = url
+                yield shop
+        finally:
+            _stop(worker)
+            engine.dispose()
+            found = list(client.scan_iter(f"{namespace}:*", count=1000))
+            if found:
+                client.delete(*found)
+            client.close()
+
+
+def _shot(page: Any, name: str) -> None:
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(SHOTS) / f"{name}.png"), full_page=True)
+
+
+def _confirm(page: Any, expected_title: str) -> None:
+    """On the confirmation page an action leads to: check what it says, and say yes."""
+    assert expected_title in page.locator("#confirm h1").inner_text()
+    page.click("#confirm-button")
+
+
+def test_the_scheduler_page_shows_the_leader_and_each_entrys_next_fires(shop, page):
+    def leader_shown() -> bool:
+        page.goto(f"{shop.url}/scheduler")
+        return "Leader:" in page.locator("#leader").inner_text()
+
+    wait_for(leader_shown, timeout=30, interval=0.5)
+    leader = page.locator("#leader").inner_text()
+    assert "epoch" in leader and "lease until" in leader and "Catch-up after a takeover: latest" in leader
+    report = page.locator(f'tr[data-entry="{REPORT}"]')
+    assert "@every 2s" in report.inner_text()
+    assert report.locator(".next-fires div").count() == 3
+    digest = page.locator("#entries tbody tr", has_text="30 6 * * *")  # daily_at("06:30", DigestDue())
+    assert digest.count() == 1 and digest.locator(".next-fires div").count() == 3
+    _shot(page, "scheduler")
+
+
+def test_a_dead_letter_requeued_from_the_dashboard_runs(shop, page):
+    with shop.engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE shop_sales RENAME TO shop_sales_away"))
+    try:
+        shop.place_order(101)
+        wait_for(lambda: deadletters.count(shop.client, shop.namespace, "default") == 1, timeout=30)
+    finally:
+        with shop.engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE shop_sales_away RENAME TO shop_sales"))
+    assert not shop.sale(101)
+
+    page.goto(f"{shop.url}/dead-letters/default")
+    row = page.locator("#dead-letters tbody tr").first
+    assert "record_sale" in row.inner_text() and "UndefinedTable" in row.inner_text()
+    _shot(page, "dead-letters")
+    row.locator("a").first.click()
+    assert '"args": "[Filtered]"' in page.locator("#body").inner_text()  # PII sending is off
+    _shot(page, "dead-letter")
+    page.go_back()
+    page.locator("#dead-letters tbody tr").first.locator("button", has_text="Requeue").click()
+    _shot(page, "confirm")
+    _confirm(page, "Requeue 1 dead letter(s) of queue default?")
+    assert "1 dead letter(s) of queue default requeued" in page.locator(".flash").inner_text()
+    wait_for(lambda: shop.sale(101), timeout=30)  # it ran, under its message id
+    assert deadletters.count(shop.client, shop.namespace, "default") == 0
+
+
+def test_a_set_aside_event_replayed_from_the_dashboard_is_relayed(shop, page):
+    event_id = shop.place_order(202, set_aside=True)
+    page.goto(f"{shop.url}/outbox")
+    row = page.locator(f'tr[data-event="{event_id}"]')
+    assert "ConnectionError: broker unreachable" in row.inner_text()
+    assert "set aside: 1" in page.locator("#backlog").inner_text()
+    _shot(page, "outbox")
+    row.locator("button", has_text="Replay").click()
+    _confirm(page, f"Replay event {event_id}?")
+    assert f"event {event_id} pending again" in page.locator(".flash").inner_text()
+    wait_for(lambda: shop.sale(202), timeout=30)  # relayed, and its listener ran
+
+
+def test_a_job_paused_from_the_dashboard_stops_firing_until_resumed(shop, page):
+    wait_for(lambda: shop.report_mails() >= 2, timeout=30)
+    page.goto(f"{shop.url}/scheduler")
+    report = page.locator(f'tr[data-entry="{REPORT}"]')
+    report.locator("button", has_text="Pause").click()
+    _confirm(page, f"Pause {REPORT}?")
+    assert f"entry {REPORT} paused" in page.locator(".flash").inner_text()
+    assert "paused by anonymous (dashboard, 127.0.0.1)" in report.locator(".state").inner_text()
+    time.sleep(1)  # a fire already under way when the pause landed still sends its mail
+    paused_at = shop.report_mails()
+    time.sleep(5)  # two and a half periods
+    assert shop.report_mails() == paused_at
+
+    report.locator("button", has_text="Resume").click()
+    _confirm(page, f"Resume {REPORT}?")
+    assert "active" in report.locator(".state").inner_text()
+    wait_for(lambda: shop.report_mails() > paused_at, timeout=10)
+
+
+def test_the_overview_and_the_recent_failures_show_the_running_shop(shop, page):
+    for order_id in range(301, 306):
+        shop.place_order(order_id)
+    wait_for(lambda: all(shop.sale(i) for i in range(301, 306)), timeout=30)
+    page.goto(f"{shop.url}/")
+    for queue in ("default", "mail", "reports"):
+        assert page.locator(f'#queues tr[data-queue="{queue}"]').count() == 1, queue
+    workers = page.locator("#workers tbody tr")
+    assert workers.count() == 1 and "default" in workers.inner_text() and "reports" in workers.inner_text()
+    assert page.locator("#throughput rect.ok").count() == 15
+    _shot(page, "overview")
+    page.goto(f"{shop.url}/failures")
+    failure = page.locator("#failures tbody tr", has_text="record_sale").first
+    assert "UndefinedTable" in failure.inner_text() and "failed for good" in failure.inner_text()
+    _shot(page, "failures")
+
+
+def test_a_read_only_dashboard_shows_no_action_and_refuses_them(shop, page):
+    with dashboard(shop, "--read-only") as (url, _):
+        page.goto(f"{url}/scheduler")
+        assert page.locator("#read-only").is_visible()
+        assert page.locator(f'tr[data-entry="{REPORT}"]').count() == 1
+        assert page.locator("button").count() == 0
+        refused = page.request.post(f"{url}/scheduler/{REPORT}/pause", form={"confirmed": "yes"})
+        assert refused.status == 403 and "read-only" in refused.text()
+    assert not shop.client.hlen(f"{shop.namespace}:scheduler:paused")
+
+
+def test_off_loopback_it_needs_credentials_and_logs_who_acted(shop, browser):
+    refused = subprocess.run(
+        [sys.executable, "-m", "dramatiq_gp", "dashboard", "--host", "0.0.0.0", "--port", str(free_port())],
+        cwd=ROOT, env=shop.env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "is not loopback: set DASHBOARD_USER" in refused.stderr
+
+    credentials = {"DASHBOARD_USER": "alice", "DASHBOARD_PASSWORD": "s3cret"}
+    with dashboard(shop, "--host", "0.0.0.0", env=credentials) as (url, log):
+        anonymous = browser.new_context()
+        try:
+            # Through the context's requests: headless Chromium turns a 401 page load into an error of its own.
+            assert anonymous.request.get(f"{url}/scheduler").status == 401
+            refused = anonymous.request.post(f"{url}/scheduler/{REPORT}/pause", form={"confirmed": "yes"})
+            assert refused.status == 401
+        finally:
+            anonymous.close()
+        alice = browser.new_context(http_credentials={"username": "alice", "password": "s3cret"})
+        try:
+            page = alice.new_page()
+            assert page.goto(f"{url}/scheduler").status == 200
+            page.locator(f'tr[data-entry="{REPORT}"]').locator("button", has_text="Pause").click()
+            _confirm(page, f"Pause {REPORT}?")
+            assert "paused by alice (dashboard, 127.0.0.1)" in page.locator(f'tr[data-entry="{REPORT}"]').inner_text()
+            page.locator(f'tr[data-entry="{REPORT}"]').locator("button", has_text="Resume").click()
+            _confirm(page, f"Resume {REPORT}?")
+        finally:
+            alice.close()
+        wait_for(lambda: "schedule resume by alice (dashboard, 127.0.0.1)" in log.read_text())
+    assert f"[dramatiq_gp.actions] [INFO] schedule pause by alice (dashboard, 127.0.0.1): entry {REPORT} paused" in (
+        log.read_text()
+    )
