@@ -20,12 +20,16 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import dramatiq
 import pytest
 import uvicorn
 from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.routing import Mount
 
 import dramatiq_gp as gp
@@ -231,14 +235,33 @@ def test_with_credentials_every_request_needs_them(clean_env, namespace):
         assert Browser(base).open("/static/dashboard.css").status == 401
 
 
-def test_mounted_in_an_application_its_links_keep_the_mount_path(clean_env, namespace, rdb):
+class _Carol(AuthenticationBackend):
+    async def authenticate(self, conn: Any) -> tuple[AuthCredentials, SimpleUser]:
+        return AuthCredentials(["authenticated"]), SimpleUser("carol")
+
+
+def test_mounted_in_an_application_it_keeps_the_mount_path_and_logs_the_applications_user(
+    clean_env, namespace, rdb, caplog
+):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
-    app = Starlette(routes=[Mount("/ops", create_app(client=rdb))])  # a mounted app's lifespan does not run
+    rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
+    app = Starlette(
+        routes=[Mount("/ops", create_app(client=rdb))],  # a mounted app's lifespan does not run: our client
+        middleware=[Middleware(AuthenticationMiddleware, backend=_Carol())],
+    )
     with serving(app) as base:
-        page = Browser(base).open("/ops/")
+        browser = Browser(base)
+        page = browser.open("/ops/")
         assert page.status == 200
         assert f'href="{base}/ops/scheduler"' in page.body
-        assert Browser(base).open("/ops/static/dashboard.css").status == 200
+        assert browser.open("/ops/static/dashboard.css").status == 200
+        token = browser.csrf("/ops/scheduler")
+        with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
+            done = browser.open("/ops/scheduler/nightly/pause", {"csrf": token, "confirmed": "yes"})
+    assert done.status == 200 and done.url == f"{base}/ops/scheduler"
+    assert [r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.actions"] == [
+        "schedule pause by carol (dashboard, 127.0.0.1): entry nightly paused"
+    ]
 
 
 OFF_LOOPBACK = "--host 0.0.0.0 is not loopback: set DASHBOARD_USER and DASHBOARD_PASSWORD, or DASHBOARD_TOKEN"
@@ -262,3 +285,29 @@ def test_the_dashboard_command_refuses_to_start_in_one_line(args, env, message, 
     assert done.returncode == 1, done
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert message in done.stderr
+
+
+# -- docs/dashboard.md --------------------------------------------------------------------
+
+DASHBOARD_PAGE = Path(__file__).resolve().parent.parent / "docs" / "dashboard.md"
+
+
+def test_the_pages_mounting_example_serves_the_dashboard_under_its_path(clean_env, namespace, redis_url):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    (source,) = re.findall(r"```python\n(.*?)```", DASHBOARD_PAGE.read_text(), re.S)
+    scope: dict[str, Any] = {}
+    exec(source.replace("redis://127.0.0.1:6379/0", redis_url), scope)
+    try:
+        with serving(scope["app"]) as base:
+            page = Browser(base).open("/ops/queues/scheduler")
+            assert page.status == 200 and f'href="{base}/ops/queues/"' in page.body
+    finally:
+        scope["client"].close()
+
+
+def test_the_pages_refusal_is_what_the_command_prints(clean_env):
+    shown = re.search(r"^\$ (dramatiq-gp dashboard --host 0\.0\.0\.0)\n(Error: .*)$", DASHBOARD_PAGE.read_text(), re.M)
+    assert shown
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(shown[1], shell=True, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr == shown[2] + "\n"

@@ -115,7 +115,7 @@ def shop(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "VALKEY_", "DB_", "DASHBOARD_"))},
             "REDIS_URL": service_env["REDIS_URL"], "DB_URL": db_url, "VALKEY_NAMESPACE": namespace,
-            "SHOP_REPORT_CRON": "@every 2s", "WORKER_MAX_RETRIES": "0",
+            "SHOP_REPORT_CRON": "@every 2s", "WORKER_MAX_RETRIES": "0", "WORKER_QUEUES": "default:3,mail:1,reports:1",
         }  # fmt: skip
         env.pop("BROKER_URL", None)
         subprocess.run([sys.executable, "-m", "examples.shop.migrate"], cwd=ROOT, env=env, check=True, timeout=60)
@@ -156,7 +156,8 @@ def test_the_scheduler_page_shows_the_leader_and_each_entrys_next_fires(shop, pa
 
     wait_for(leader_shown, timeout=30, interval=0.5)
     leader = page.locator("#leader").inner_text()
-    assert "epoch" in leader and "lease until" in leader and "Catch-up after a takeover: latest" in leader
+    assert "epoch" in leader and "lease until" in leader
+    assert "Catch-up after a takeover: latest, ticks missed within 1h" in leader
     report = page.locator(f'tr[data-entry="{REPORT}"]')
     assert "@every 2s" in report.inner_text()
     assert report.locator(".next-fires div").count() == 3
@@ -232,7 +233,9 @@ def test_the_overview_and_the_recent_failures_show_the_running_shop(shop, page):
     for queue in ("default", "mail", "reports"):
         assert page.locator(f'#queues tr[data-queue="{queue}"]').count() == 1, queue
     workers = page.locator("#workers tbody tr")
-    assert workers.count() == 1 and "default" in workers.inner_text() and "reports" in workers.inner_text()
+    assert workers.count() == 1 and "default, mail, reports" in workers.inner_text()
+    assert "default:3, mail:1, reports:1" in workers.inner_text()
+    assert page.locator('#queues tr[data-queue="default"] td').nth(5).inner_text() == "3"  # its weight
     assert page.locator("#throughput rect.ok").count() == 15
     _shot(page, "overview")
     page.goto(f"{shop.url}/failures")

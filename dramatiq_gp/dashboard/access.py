@@ -79,7 +79,6 @@ class RequireCredentials:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        who = "anonymous"
         if self.credentials.required:
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             found = self.credentials.check(authorization)
@@ -87,17 +86,16 @@ class RequireCredentials:
                 challenge = {"WWW-Authenticate": 'Basic realm="dramatiq-gp"'} if self.credentials.user else {}
                 await PlainTextResponse("credentials required", 401, headers=challenge)(scope, receive, send)
                 return
-            who = found
-        scope[WHO] = who
+            scope[WHO] = found
         await self.app(scope, receive, send)
 
 
 def who(request: Request) -> str:
     """``<name> (dashboard, <client address>)``, for the line an action logs."""
     name = request.scope.get(WHO)
-    if name is None:  # mounted in an application that authenticates by itself
+    if name is None:  # no credentials of its own: the application it is mounted in may have authenticated
         user = request.scope.get("user")
-        name = getattr(user, "display_name", None) if getattr(user, "is_authenticated", False) else "anonymous"
+        name = user.display_name if getattr(user, "is_authenticated", False) else "anonymous"
     client = request.client.host if request.client else "unknown"
     return f"{name} (dashboard, {client})"
 

@@ -6,7 +6,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -24,6 +24,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from .. import actions
+from ..durations import format_duration
 from ..settings import Settings
 from .access import CSRF_FIELD, Credentials, RequireCredentials, csrf_ok, csrf_token, keep_csrf, who
 from .reader import PAGE, Reader
@@ -36,6 +37,11 @@ def _when(ms: int | None) -> str:
     if ms is None:
         return "never"
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds")
+
+
+def _iso(text: str) -> str:
+    """An ISO time to the second, as the page shows times (the zone's offset kept)."""
+    return datetime.fromisoformat(text).isoformat(timespec="seconds")
 
 
 def _age(ms: int | None) -> str:
@@ -58,7 +64,13 @@ class _Dashboard:
         self.reader = reader
         self.read_only = read_only
         self.templates = Jinja2Templates(directory=HERE / "templates")
-        self.templates.env.filters.update(when=_when, age=_age, tojson_pretty=lambda v: json.dumps(v, indent=2))
+        self.templates.env.filters.update(
+            when=_when,
+            age=_age,
+            iso=_iso,
+            tojson_pretty=lambda v: json.dumps(v, indent=2),
+            duration=lambda seconds: format_duration(timedelta(seconds=seconds)),
+        )
 
     def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         flash = request.cookies.get(FLASH_COOKIE)

@@ -24,6 +24,7 @@ from .. import keys
 from ..brokers.base import kit_broker
 from ..errors import one_line_at_start_up
 from .lifecycle import PUT_BACK_ATTR
+from .retries import expected_failure
 
 #: Characters of the exception's first line kept.
 ERROR_CHARS = 300
@@ -56,7 +57,7 @@ class RecentFailures(Middleware):
         lines = str(exception).strip().splitlines()
         failure = {
             "at_ms": current_millis(), "queue": q_name(message.queue_name), "task_type": message.actor_name,
-            "message_id": message.message_id, "attempt": message.options.get("retries", 0) + 1,
+            "message_id": message.message_id, "attempt": _attempt(broker, message, exception),
             "will_retry": not message.failed,
             "error": f"{type(exception).__name__}: {lines[0] if lines else ''}"[:ERROR_CHARS],
         }  # fmt: skip
@@ -71,3 +72,9 @@ class RecentFailures(Middleware):
             # Only the dashboard reads it: the message's own outcome is not at stake.
             self.logger.warning("could not record a failure of message %s for the dashboard: %s",
                                 message.message_id, exc)  # fmt: skip
+
+
+def _attempt(broker: Broker, message: MessageProxy, exception: BaseException) -> int:
+    """Which attempt failed: ``Retries``, whose after-hook ran first, counted it, unless the actor ``throws`` it."""
+    retries = int(message.options.get("retries", 0))
+    return retries + 1 if expected_failure(broker, message, exception) else max(retries, 1)
