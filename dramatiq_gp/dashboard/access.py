@@ -19,6 +19,7 @@ import hmac
 import ipaddress
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -94,8 +95,8 @@ def who(request: Request) -> str:
     """``<name> (dashboard, <client address>)``, for the line an action logs."""
     name = request.scope.get(WHO)
     if name is None:  # no credentials of its own: the application it is mounted in may have authenticated
-        user = request.scope.get("user")
-        name = user.display_name if getattr(user, "is_authenticated", False) else "anonymous"
+        user: Any = request.scope.get("user")
+        name = str(user.display_name) if getattr(user, "is_authenticated", False) else "anonymous"
     client = request.client.host if request.client else "unknown"
     return f"{name} (dashboard, {client})"
 
