@@ -235,6 +235,29 @@ def test_with_credentials_every_request_needs_them(clean_env, namespace):
         assert Browser(base).open("/static/dashboard.css").status == 401
 
 
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_on_rabbitmq_the_overview_reads_the_queues_from_it(broker, make_kit, namespace):
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
+
+    @dramatiq.actor(broker=kit.broker, actor_name="work")
+    def work() -> None:
+        pass
+
+    for _ in range(7):
+        work.send()
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        page = browser.open("/")
+        letters = browser.open("/dead-letters").body
+    row = re.search(r'<tr data-queue="default">(.*?)</tr>', page.body, re.S)
+    assert row, page.body
+    cells = re.findall(r'<td class="n[^"]*">(.*?)</td>', row.group(1), re.S)
+    assert cells == ["7", "—", "0", "0", "0"], (
+        cells
+    )  # ready, in flight (not visible over AMQP), delayed, dead, consumers
+    assert "On RabbitMQ the dead letters are in each queue" in letters
+
+
 class _Carol(AuthenticationBackend):
     async def authenticate(self, conn: Any) -> tuple[AuthCredentials, SimpleUser]:
         return AuthCredentials(["authenticated"]), SimpleUser("carol")
