@@ -199,6 +199,28 @@ class _Ran(dramatiq.Middleware):
             self.ran.append(message.message_id)
 
 
+def test_purge_after_confirmation_and_the_body_shown_only_with_pii_on(make_kit, start_worker, namespace):
+    kit, _ = _failing_kit(make_kit, namespace, env={"SENTRY_SEND_DEFAULT_PII": "true"})
+    for customer in ("ada@example.com", "bob@example.com"):
+        kit.broker.get_actor("charge").send(customer)
+    start_worker(kit)
+    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 2)
+    letter = deadletters.page(kit.broker.client, namespace, "default")[0]
+
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        shown = browser.open(f"/dead-letters/default/{letter.id}").body
+        assert "ada@example.com" in shown or "bob@example.com" in shown
+        assert "RuntimeError: the card was declined" in shown
+        token = browser.csrf("/dead-letters/default")
+        confirm = browser.open("/dead-letters/default/purge", {"csrf": token})
+        assert "Purge every dead letter of queue default?" in confirm.body
+        assert deadletters.count(kit.broker.client, namespace, "default") == 2
+        done = browser.open("/dead-letters/default/purge", {"csrf": token, "confirmed": "yes"})
+        assert "2 dead letter(s) of queue default deleted" in done.body
+    assert deadletters.count(kit.broker.client, namespace, "default") == 0
+
+
 def test_read_only_hides_and_refuses_every_action(make_kit, start_worker, namespace, rdb):
     kit, _ = _failing_kit(make_kit, namespace)
     kit.broker.get_actor("charge").send("c1")
