@@ -194,31 +194,26 @@ class _Dashboard:
         )  # fmt: skip
 
     async def pause(self, request: Request) -> Response:
-        entry = request.path_params["entry"]
-
-        def perform(form: FormData, by: str) -> str:
-            if not actions.pause_entry(self.reader.client, self.reader.scheduler_keys, entry, who=by):
-                return f"no schedule entry {entry}"
-            return f"entry {entry} paused"
-
-        return await self.act(
-            request, title=f"Pause {entry}?", perform=perform, back=str(request.url_for("scheduler")),
-            consequence="The leader passes over its ticks from the next one until it is resumed; "
-            "the ticks of the pause are not caught up.",
+        return await self._entry(
+            request, pause=True, consequence="The leader passes over its ticks from the next one until it is "
+            "resumed; the ticks of the pause are not caught up.",
         )  # fmt: skip
 
     async def resume(self, request: Request) -> Response:
+        return await self._entry(request, pause=False, consequence="It fires again from its next tick.")
+
+    async def _entry(self, request: Request, *, pause: bool, consequence: str) -> Response:
         entry = request.path_params["entry"]
+        act, verb = (actions.pause_entry, "paused") if pause else (actions.resume_entry, "resumed")
 
         def perform(form: FormData, by: str) -> str:
-            if not actions.resume_entry(self.reader.client, self.reader.scheduler_keys, entry, who=by):
-                return f"entry {entry} was not paused"
-            return f"entry {entry} resumed"
+            if not act(self.reader.client, self.reader.scheduler_keys, entry, who=by):
+                return f"no schedule entry {entry}" if pause else f"entry {entry} was not paused"
+            return f"entry {entry} {verb}"
 
-        return await self.act(
-            request, title=f"Resume {entry}?", perform=perform, back=str(request.url_for("scheduler")),
-            consequence="It fires again from its next tick.",
-        )  # fmt: skip
+        title = f"{'Pause' if pause else 'Resume'} {entry}?"
+        back = str(request.url_for("scheduler"))
+        return await self.act(request, title=title, perform=perform, back=back, consequence=consequence)
 
 
 def create_app(
