@@ -317,7 +317,7 @@ def dlq_list(queue: str, offset: int, limit: int, as_json: bool) -> None:
     click.echo(f"queue {queue}: {total} dead letter(s)")
     for letter in letters:
         dead_at = datetime.fromtimestamp(letter.dead_at_ms / 1000, UTC).isoformat(timespec="seconds")
-        click.echo(f"{letter.id}  {letter.task_type}  message {letter.message_id}  retries={letter.retries}  "
+        click.echo(f"{letter.id}  {letter.task_type}  message {letter.message_id}  attempts={letter.attempts}  "
                    f"dead since {dead_at}")  # fmt: skip
         if letter.reason:
             click.echo(f"    {letter.reason}")

@@ -48,14 +48,14 @@ class DeadLetter:
     dead_at_ms: int
     message_id: str | None  #: None for bytes that never were a message (set aside as undecodable)
     task_type: str | None
-    retries: int
+    attempts: int  #: the failed attempts (Dramatiq's ``retries`` as its last attempt left it)
     reason: str | None
     args: Any
     kwargs: Any
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "queue": self.queue, "dead_at_ms": self.dead_at_ms, "message_id": self.message_id,
-                "task_type": self.task_type, "retries": self.retries, "reason": self.reason,
+                "task_type": self.task_type, "attempts": self.attempts, "reason": self.reason,
                 "args": self.args, "kwargs": self.kwargs}  # fmt: skip
 
 

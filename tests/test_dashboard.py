@@ -41,7 +41,9 @@ from helpers import wait_for
 @contextmanager
 def serving(app: Any) -> Iterator[str]:
     """``app`` served by uvicorn on a free loopback port, in a thread; yields its base URL."""
-    sock = socket.socket()
+    # IPPROTO_TCP, as uvicorn's own socket: asyncio sets TCP_NODELAY only then, and without it each
+    # response waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -117,7 +119,8 @@ def _commandstats(client: Any) -> dict[str, int]:
 def test_the_overview_shows_the_queues_workers_throughput_and_failures_without_scanning(
     make_kit, start_worker, namespace, rdb
 ):
-    kit, _ = _failing_kit(make_kit, namespace)
+    # A long settle window: each settle call carries both queues' acks with their idempotency keys between them.
+    kit, _ = _failing_kit(make_kit, namespace, env={"WORKER_SETTLE_WINDOW": "200ms"})
     work, mail, charge = (kit.broker.get_actor(name) for name in ("work", "mail", "charge"))
     for _ in range(20):
         work.send()

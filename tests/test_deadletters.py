@@ -65,7 +65,7 @@ def test_a_dead_letter_is_listed_with_why_it_died_and_its_arguments_only_with_pi
     assert listed.exit_code == 0, listed.output
     lines = listed.stdout.splitlines()
     assert lines[0] == "queue default: 1 dead letter(s)"
-    assert f"charge  message {message.message_id}  retries=1" in lines[1]
+    assert f"charge  message {message.message_id}  attempts=2" in lines[1]  # both failed
     assert lines[2].strip() == "RuntimeError: the card was declined"
     assert "ada@example.com" not in listed.output
 
@@ -110,7 +110,7 @@ def test_pages_come_most_recent_first_and_requeue_all_keeps_the_order(rdb, names
     first = deadletters.page(rdb, namespace, "default", offset=0, limit=3)
     assert [letter.id for letter in first] == ids[::-1][:3]
     assert [letter.id for letter in deadletters.page(rdb, namespace, "default", offset=2499, limit=50)] == ids[:1]
-    assert first[0].retries == 3 and first[0].reason is None
+    assert first[0].attempts == 3 and first[0].reason is None
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     done = run("dlq", "requeue", "default", "--all")
     assert done.stdout == "2500 dead letter(s) of queue default requeued\n"

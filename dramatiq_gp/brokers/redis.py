@@ -275,13 +275,13 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         now = current_millis()
         touched = [keys.heartbeats(ns), keys.throughput(ns, now // 60_000)]
         first_key: dict[str, int] = {}
-        names: list[str] = []
+        names: list[Any] = []  # each queue's first key and name, for the throughput counts
         args: list[Any] = []
         for queue_name, message, command in batch:
             q = first_key.get(queue_name)
             if q is None:
                 q = first_key[queue_name] = len(touched) + 1
-                names.append(q_name(queue_name))
+                names += [q, q_name(queue_name)]
                 touched += [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
                             keys.queue(ns, queue_name), keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name),
                             keys.delay_queue(ns, queue_name), keys.delay_messages(ns, queue_name)]  # fmt: skip
@@ -300,7 +300,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             args += [command[0].upper(), q, message.options["redis_message_id"], key_index,
                      plan.outcome if plan else "", plan.token if plan else "", plan.retention_ms if plan else 0,
                      copy.options["redis_message_id"] if copy else "", data]  # fmt: skip
-        self._scripts["settle"](keys=touched, args=[now, self.broker_id, len(names), *names, *args])
+        self._scripts["settle"](keys=touched, args=[now, self.broker_id, len(names) // 2, *names, *args])
         for _, message, command in batch:
             plan = settlement(message)
             if plan is None or plan.redeliver is None:

@@ -8,21 +8,25 @@
 -- KEYS: heartbeats, this minute's throughput, then seven keys per queue in the
 --       batch (acks, msgs, queue, xq, xq msgs, delay queue, delay msgs), then
 --       the idempotency keys.
--- ARGV: now, worker id, how many queues, each queue's name (in the order of
---       their keys), then one entry per message:
+-- ARGV: now, worker id, how many queues, each queue's first key and name, then
+--       one entry per message:
 --       plain: "a"|"n"|"r", first key of its queue, redis message id
 --       full:  "A"|"N"|"R", first key of its queue, redis message id, key index
 --              of its idempotency key (0: none), outcome, token, retention ms,
 --              copy id ("": none), copy data (for "N": the dead letter to keep)
 local now = ARGV[1]
 redis.call("zadd", KEYS[1], now, ARGV[2])
+local names = {}
 local queues = tonumber(ARGV[3])
+for j = 0, queues - 1 do
+    names[tonumber(ARGV[4 + 2 * j])] = ARGV[5 + 2 * j]
+end
 local counts = {}
 local function count(q, kind)
-    local field = ARGV[3 + (q - 3) / 7 + 1] .. kind
+    local field = names[q] .. kind
     counts[field] = (counts[field] or 0) + 1
 end
-local i = 4 + queues
+local i = 4 + 2 * queues
 while i <= #ARGV do
     local tag = ARGV[i]
     local command = string.lower(tag)
