@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import http.cookiejar
+import json
 import logging
 import os
 import re
@@ -157,6 +158,21 @@ def test_the_overview_shows_the_queues_workers_throughput_and_failures_without_s
     assert "RuntimeError: the card was declined" in failures
     assert declined.message_id in failures
     assert "ada@example.com" not in failures  # the arguments are never kept
+
+
+def test_a_starting_consumer_drops_the_records_of_workers_gone_for_an_hour(make_kit, start_worker, namespace, rdb):
+    now = dramatiq.common.current_millis()
+    workers = keys.workers(namespace)
+    rdb.hset(workers, "gone", json.dumps({"host": "old", "pid": 1, "started_ms": now - 7_200_000}))
+    rdb.hset(workers, "starting", json.dumps({"host": "new", "pid": 2, "started_ms": now - 1_000}))
+    rdb.hset(workers, "alive", json.dumps({"host": "up", "pid": 3, "started_ms": now - 7_200_000}))
+    rdb.zadd(keys.heartbeats(namespace), {"alive": now})
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
+    dramatiq.actor(lambda: None, broker=kit.broker, actor_name="noop")
+    start_worker(kit)
+    wait_for(lambda: rdb.hexists(workers, kit.broker.broker_id))
+    assert sorted(rdb.hkeys(workers)) == sorted(["starting", "alive", kit.broker.broker_id])
+    assert rdb.smembers(keys.declared_queues(namespace)) == {"default"}
 
 
 def test_an_action_needs_the_pages_csrf_token_and_a_confirmation_and_is_logged_with_who(

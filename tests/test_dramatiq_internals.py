@@ -983,8 +983,14 @@ def test_retries_sends_the_retry_as_the_same_proxy_updated_in_place_through_the_
     stored = rdb.hvals(f"{namespace}:{Q}.DQ.msgs")
     assert [Message.decode(data.encode()).options["retries"] for data in stored] == [1]
 
-    retries.after_process_message(broker, proxy, exception=ValueError("second"))
+    try:
+        raise ValueError("second")
+    except ValueError as exc:  # the worker calls the after-hooks inside its except block
+        retries.after_process_message(broker, proxy, exception=exc)
     assert proxy.failed and len(broker.enqueued) == 1
+    # Giving up, it still counts the attempt and keeps its traceback on the proxy: the kit's nack keeps the
+    # dead letter as the proxy is then, so it says why it died.
+    assert proxy.options["retries"] == 2 and proxy.options["traceback"].strip().endswith("ValueError: second")
 
 
 def test_an_actor_calls_the_fn_that_after_declare_actor_left_on_it(connect, namespace):
