@@ -299,6 +299,19 @@ def test_on_rabbitmq_the_overview_reads_the_queues_from_it(broker, make_kit, nam
     assert "On RabbitMQ the dead letters are in each queue" in letters
 
 
+def test_a_store_out_of_reach_is_a_503_naming_it(clean_env, namespace):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    clean_env.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    clean_env.setenv("DB_URL", "postgresql://nobody@127.0.0.1:1/none")
+    with serving(create_app()) as base:
+        overview = Browser(base).open("/")
+        outbox = Browser(base).open("/outbox")
+    assert overview.status == 503 and overview.body.startswith("Redis/Valkey unreachable at redis://127.0.0.1:1/0")
+    assert outbox.status == 503 and outbox.body.startswith(
+        "database error at postgresql+psycopg://nobody@127.0.0.1:1/none"
+    )
+
+
 class _Carol(AuthenticationBackend):
     async def authenticate(self, conn: Any) -> tuple[AuthCredentials, SimpleUser]:
         return AuthCredentials(["authenticated"]), SimpleUser("carol")
@@ -320,6 +333,8 @@ def test_mounted_in_an_application_it_keeps_the_mount_path_and_logs_the_applicat
         assert f'href="{base}/ops/scheduler"' in page.body
         assert browser.open("/ops/static/dashboard.css").status == 200
         token = browser.csrf("/ops/scheduler")
+        confirm = browser.open("/ops/scheduler/nightly/pause", {"csrf": token})
+        assert f'action="{base}/ops/scheduler/nightly/pause"' in confirm.body  # the confirmation posts back here
         with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
             done = browser.open("/ops/scheduler/nightly/pause", {"csrf": token, "confirmed": "yes"})
     assert done.status == 200 and done.url == f"{base}/ops/scheduler"

@@ -13,6 +13,7 @@ from urllib.parse import quote, unquote
 
 import redis
 from dramatiq.common import current_millis
+from sqlalchemy import exc as sa_exc
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
@@ -72,12 +73,11 @@ class _Dashboard:
             duration=lambda seconds: format_duration(timedelta(seconds=seconds)),
         )
 
-    def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+    def render(self, request: Request, name: str, **context: Any) -> Response:
         flash = request.cookies.get(FLASH_COOKIE)
         response = self.templates.TemplateResponse(
             request, name, {"read_only": self.read_only, "csrf": csrf_token(request), "flash": unquote(flash or ""),
                             "on_rabbitmq": self.reader.on_rabbitmq, **context},
-            status_code=status_code,
         )  # fmt: skip
         if flash:
             response.delete_cookie(FLASH_COOKIE, path=request.scope.get("root_path") or "/")
@@ -136,7 +136,7 @@ class _Dashboard:
         if form.get("confirmed") != "yes":
             fields = [(k, v) for k, v in form.multi_items() if k not in (CSRF_FIELD, "confirmed")]
             return self.render(request, "confirm.html", page=None, title=title, consequence=consequence,
-                               fields=fields, action=str(request.url.path), back=back)  # fmt: skip
+                               fields=fields, action=str(request.url), back=back)  # fmt: skip
         outcome = await run_in_threadpool(perform, form, who(request))
         response = RedirectResponse(back, 303)
         response.set_cookie(FLASH_COOKIE, quote(outcome), path=request.scope.get("root_path") or "/",
@@ -256,10 +256,21 @@ def create_app(
         engine = sa.create_engine(settings.db.sqlalchemy_url(), pool_pre_ping=True)
         owned.append(engine.dispose)
     dashboard = _Dashboard(Reader(settings, client, engine), read_only=read_only)
-    display = settings.queue.display()
+    display, db_display = settings.queue.display(), settings.db.display() if settings.db.configured else ""
 
     def unreachable(request: Request, exc: Exception) -> Response:
-        return PlainTextResponse(f"Redis/Valkey unreachable at {display}: {exc}", 503)
+        if isinstance(exc, redis.RedisError):
+            return PlainTextResponse(f"Redis/Valkey unreachable at {display}: {exc}", 503)
+        if isinstance(exc, sa_exc.SQLAlchemyError):
+            reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+            return PlainTextResponse(f"database error at {db_display}: {reason}", 503)
+        return PlainTextResponse(f"RabbitMQ unreachable at {settings.broker.display()}: {exc!r}", 503)
+
+    errors: dict[Any, Any] = {redis.RedisError: unreachable, sa_exc.SQLAlchemyError: unreachable}
+    if settings.broker.url:
+        import pika.exceptions
+
+        errors[pika.exceptions.AMQPError] = unreachable
 
     d = dashboard
     routes = [
@@ -287,6 +298,6 @@ def create_app(
     return Starlette(
         routes=routes,
         middleware=[Middleware(RequireCredentials, credentials=credentials)],
-        exception_handlers={redis.RedisError: unreachable},
+        exception_handlers=errors,
         lifespan=lifespan,
     )
