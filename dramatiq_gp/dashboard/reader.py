@@ -4,7 +4,7 @@ Every read is bounded by the number of queues, workers and entries, or by the
 page asked for, never by how many messages there are: the queues come from the
 set the consumers record (``<ns>:gp:queues``), each queue's counts are O(1)
 commands (``LLEN``, ``HLEN``, ``ZCARD``) sent in one pipeline, and nothing scans
-the keyspace. An overview is five round trips, a page of dead letters three.
+the keyspace. An overview is four round trips, a page of dead letters three.
 """
 
 from __future__ import annotations
