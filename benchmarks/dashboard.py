@@ -46,10 +46,8 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -57,6 +55,7 @@ from typing import Any
 
 import redis
 
+from devtools.asgi import serving
 from devtools.services import free_port
 
 #: Messages per command when filling.
@@ -258,32 +257,6 @@ def calls_between(before: dict[str, int], after: dict[str, int]) -> dict[str, in
 # -- HTTP ----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def serving(app: Any) -> Iterator[int]:
-    """``app`` served by uvicorn on a free loopback port, in a thread (as ``tests/test_dashboard.py``); its port."""
-    import uvicorn
-
-    # IPPROTO_TCP said, not 0: asyncio sets TCP_NODELAY on the accepted connections only then, as it does on the
-    # sockets uvicorn makes itself (``dramatiq-gp dashboard``). Without it each response waits ~40 ms for the
-    # client's delayed ACK, the headers and the body being two writes.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        yield int(sock.getsockname()[1])
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-
-
 class Client:
     """One keep-alive connection that sends back the cookies it was given, as a browser does."""
 
@@ -347,8 +320,8 @@ def run(redis_url: str, ready: int, dead: int, requests: int) -> dict[str, Any]:
     deep = dead * 9 // 10 // 50 * 50
     try:
         app = create_app(gp.Settings.from_env(), client=client, credentials=Credentials())
-        with serving(app) as port:
-            browser = Client(port)
+        with serving(app) as base:
+            browser = Client(int(base.rsplit(":", 1)[1]))
             try:
                 overview = browser.get("/")
                 assert f"{ready:,}" in overview, "the overview does not show the ready count"

@@ -11,22 +11,18 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import dramatiq
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.middleware import Middleware
@@ -34,28 +30,10 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.routing import Mount
 
 import dramatiq_gp as gp
+from devtools.asgi import serving
 from dramatiq_gp import deadletters, keys
 from dramatiq_gp.dashboard import Credentials, create_app
 from helpers import wait_for
-
-
-@contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """``app`` served by uvicorn on a free loopback port, in a thread; yields its base URL."""
-    # IPPROTO_TCP, as uvicorn's own socket: asyncio sets TCP_NODELAY only then, and without it each
-    # response waits ~40 ms for the client's delayed ACK.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @dataclass
