@@ -239,6 +239,26 @@ def test_read_only_hides_and_refuses_every_action(make_kit, start_worker, namesp
     assert not rdb.hlen(keys.SchedulerKeys(namespace).paused)
 
 
+def test_what_a_message_carries_is_shown_as_text_never_as_markup(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    clean_env.setenv("SENTRY_SEND_DEFAULT_PII", "true")
+    script = "<script>alert(1)</script>"
+    message = {"queue_name": "default", "actor_name": script, "args": [script], "kwargs": {},
+               "options": {"redis_message_id": "x1", "traceback": f"Traceback ...\nValueError: {script}\n"},
+               "message_id": "m1", "message_timestamp": 0}  # fmt: skip
+    rdb.sadd(keys.declared_queues(namespace), "default")
+    rdb.zadd(keys.dead(namespace, "default"), {"x1": dramatiq.common.current_millis()})
+    rdb.hset(keys.dead_messages(namespace, "default"), "x1", json.dumps(message))
+    rdb.lpush(keys.failures(namespace), json.dumps({"at_ms": 0, "queue": "default", "task_type": script,
+                                                    "message_id": "m1", "attempt": 1, "will_retry": False,
+                                                    "error": f"ValueError: {script}"}))  # fmt: skip
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        for path in ("/dead-letters/default", "/dead-letters/default/x1", "/failures"):
+            body = browser.open(path).body
+            assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body and "<script>" not in body, path
+
+
 def test_with_credentials_every_request_needs_them(clean_env, namespace):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     app = create_app(credentials=Credentials("alice", "s3cret", "t0ken"))
