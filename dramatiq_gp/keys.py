@@ -67,7 +67,7 @@ def declared_queues(namespace: str) -> str:
 
 
 def workers(namespace: str) -> str:
-    """Broker id → a worker process's host, pid, queues and weights, as JSON (a hash; Redis only)."""
+    """Broker id → a worker process's host, pid, queues and weights, as JSON (a hash)."""
     return f"{namespace}:gp:workers"
 
 

@@ -275,26 +275,36 @@ def test_with_credentials_every_request_needs_them(clean_env, namespace):
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
-def test_on_rabbitmq_the_overview_reads_the_queues_from_it(broker, make_kit, namespace):
-    kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
+def test_on_rabbitmq_the_overview_reads_the_queues_from_it_and_the_workers_and_throughput_from_redis(
+    broker, make_kit, start_worker, namespace
+):
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace, "WORKER_QUEUES": "default:2"})
+    ran = threading.Event()
 
     @dramatiq.actor(broker=kit.broker, actor_name="work")
     def work() -> None:
-        pass
+        ran.wait(10)
 
     for _ in range(7):
         work.send()
     with serving(create_app()) as base:
         browser = Browser(base)
         page = browser.open("/")
-        letters = browser.open("/dead-letters").body
-    row = re.search(r'<tr data-queue="default">(.*?)</tr>', page.body, re.S)
-    assert row, page.body
-    cells = re.findall(r'<td class="n[^"]*">(.*?)</td>', row.group(1), re.S)
-    assert cells == ["7", "—", "0", "0", "0"], (
-        cells
-    )  # ready, in flight (not visible over AMQP), delayed, dead, consumers
-    assert "On RabbitMQ the dead letters are in each queue" in letters
+        row = re.search(r'<tr data-queue="default">(.*?)</tr>', page.body, re.S)
+        assert row, page.body
+        cells = re.findall(r'<td class="n[^"]*">(.*?)</td>', row.group(1), re.S)
+        # ready, in flight (not visible over AMQP), delayed, dead, consumers, weight (no worker yet), done per minute
+        assert cells == ["7", "—", "0", "0", "0", "—", "0"], cells
+        assert "On RabbitMQ the dead letters are in each queue" in browser.open("/dead-letters").body
+
+        start_worker(kit)
+        ran.set()
+        reader = gp.dashboard.reader.Reader(gp.Settings.from_env(), kit.broker.client)
+        wait_for(lambda: reader.throughput(dramatiq.common.current_millis())["per_queue"].get("default", {}).get("done")
+                 == 7)  # fmt: skip
+        page = browser.open("/")
+    assert f'<td class="n">{os.getpid()}</td>' in page.body  # this process, from its heartbeat
+    assert "default:2" in page.body
 
 
 def test_a_store_out_of_reach_is_a_503_naming_it(clean_env, namespace):

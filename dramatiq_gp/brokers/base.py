@@ -16,28 +16,34 @@ class it extends. Beyond Dramatiq's broker it offers:
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+import redis
 from dramatiq import Message, Middleware
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import current_millis, dq_name, q_name
 from dramatiq.errors import DecodeError
 from dramatiq.middleware import MiddlewareError
 
+from .. import keys
 from ..durations import format_duration
 from ..errors import BrokerMismatch
+from ..lua import scripts
 
 if TYPE_CHECKING:
-    import redis
-
     from .settler import Settler
 
 logger = logging.getLogger(__name__)
+
+_SCRIPTS = scripts(__file__)
 
 SETTLEMENT_ATTR = "_gp_settlement"
 #: A message to settle: its queue (the consumer's, a delay queue for a delayed message), it, and the command.
@@ -117,6 +123,8 @@ class KitBroker(Broker):
     #: The coordination Redis/Valkey, and the prefix of the kit's keys in it.
     client: redis.Redis
     namespace: str
+    #: This worker process, in Dramatiq's heartbeats and the dashboard's worker records.
+    broker_id: str
     #: How long messages for a task type no actor here handles are held (``WORKER_UNKNOWN_TASK_GRACE``).
     unknown_task_grace_ms: int
     #: Messages a weighted queue's consumer holds per worker thread (``QueueWeights``), times the
@@ -129,6 +137,8 @@ class KitBroker(Broker):
     #: What this worker process tells the dashboard about itself beyond its host and pid
     #: (``QueueWeights`` adds the weights); published when a consumer starts.
     worker_info: dict[str, Any]
+    #: Heartbeats older than this are removed when a consumer starts (0: Dramatiq's maintenance does it).
+    heartbeat_retention_ms = 0
 
     _hook_cache: dict[str, list[Callable[..., Any]]]
     _hooks_for: int
@@ -176,6 +186,36 @@ class KitBroker(Broker):
                 self.logger.critical(
                     "Unexpected failure in %s of %r.", name, getattr(hook, "__self__", hook), exc_info=True
                 )
+
+    def _start_worker_record(self) -> None:
+        """Set up what :meth:`register_consumer` publishes; the broker's ``client`` must be set."""
+        self.worker_info = {}
+        self._consumed: set[str] = set()
+        self._register_lock = threading.Lock()
+        self._started_ms = current_millis()
+        self._register = self.client.register_script(_SCRIPTS["register"])
+
+    def register_consumer(self, queue_name: str) -> None:
+        """Record ``queue_name`` among the queues consumed, and this worker process, for the dashboard.
+
+        The dashboard reads these rather than scanning the keyspace for queues. A
+        failure here is logged, not raised: the consumer's own reads report a lost connection.
+        """
+        ns = self.namespace
+        # Consumers start in threads of their own: one at a time, so the last record written lists every queue.
+        with self._register_lock:
+            self._consumed.add(queue_name)
+            worker = {"host": socket.gethostname(), "pid": os.getpid(), "started_ms": self._started_ms,
+                      "queues": sorted(self._consumed), **self.worker_info}  # fmt: skip
+            now = current_millis()
+            prune = now - self.heartbeat_retention_ms if self.heartbeat_retention_ms else 0
+            try:
+                self._register(
+                    keys=[keys.declared_queues(ns), keys.workers(ns), keys.heartbeats(ns)],
+                    args=[queue_name, self.broker_id, json.dumps(worker), now, prune],
+                )
+            except redis.RedisError as exc:
+                logger.warning("could not record queue %r for the dashboard in Redis: %s", queue_name, exc)
 
     def ping_queues(self) -> None:
         """Reach where the queues are, when that is not ``client`` (whose PING the callers make).

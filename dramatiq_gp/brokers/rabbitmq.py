@@ -48,10 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, Literal
+from uuid import uuid4
 
 import pika
 import pika.exceptions
@@ -60,7 +63,7 @@ from dramatiq import Message
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, _RabbitmqConsumer, _RabbitmqMessage
 from dramatiq.brokers.rabbitmq import RabbitmqBroker as DramatiqRabbitmqBroker
-from dramatiq.common import q_name, xq_name
+from dramatiq.common import current_millis, q_name, xq_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 
 from .. import keys
@@ -73,6 +76,11 @@ from .settler import Settler
 logger = logging.getLogger(__name__)
 
 _SCRIPTS = scripts(__file__)
+
+#: How often a consumer records its process's heartbeat, and the messages settled since, in Redis for the dashboard.
+BEAT_EVERY_S = 5.0
+#: On a message acked with a retry's copy published: counted as retried, not done.
+_RETRIED_ATTR = "_gp_retried"
 
 QueueType = Literal["quorum", "classic"]
 QUEUE_TYPES: tuple[QueueType, ...] = ("quorum", "classic")
@@ -103,6 +111,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     #: with 16 a stall emptied ``default``'s buffer in 1 run of 3 (0.64 to 0.70 of the starts
     #: went to ``default`` instead of 0.75); with 32, in none of 6.
     prefetch_per_thread = 32
+    #: No Dramatiq maintenance runs on RabbitMQ to drop a dead worker's heartbeat: a starting consumer does.
+    heartbeat_retention_ms = 3_600_000
 
     def __init__(
         self,
@@ -124,8 +134,13 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self.client = client if client is not None else redis.Redis()
         self.namespace = namespace
         self.unknown_task_grace_ms = unknown_task_grace_ms
-        self.worker_info: dict[str, Any] = {}
+        #: This worker process, in the heartbeats and worker records the dashboard reads (as Dramatiq's Redis broker).
+        self.broker_id = str(uuid4())
+        self._start_worker_record()
         self._record = self.client.register_script(_SCRIPTS["record"])
+        self._beat_at = 0.0
+        self._counts: dict[str, int] = {}  #: ``<queue>:done|retried|dead`` settled since the last beat
+        self._counts_lock = threading.Lock()
         if settle_window_ms > 0:
             self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000,
                                    retry_on=(ConnectionClosed,))  # fmt: skip
@@ -172,6 +187,43 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             publisher = self.state.publisher = BatchPublisher(self.connection)
         return publisher
 
+    def beat(self, *, now: bool = False) -> None:
+        """Record this process's heartbeat and the messages settled since, every :data:`BEAT_EVERY_S`.
+
+        For the dashboard's worker list and throughput: on Redis, Dramatiq's fetch
+        records the heartbeat and ``settle.lua`` counts. One round trip per beat,
+        none per message. Only the dashboard reads them: a failure is logged, not
+        raised, and the counts wait for the next beat.
+        """
+        if not now and time.monotonic() < self._beat_at:
+            return
+        self._beat_at = time.monotonic() + BEAT_EVERY_S
+        with self._counts_lock:
+            counts, self._counts = self._counts, {}
+        at = current_millis()
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.zadd(keys.heartbeats(self.namespace), {self.broker_id: at})
+                throughput = keys.throughput(self.namespace, at // 60_000)
+                for field, n in counts.items():
+                    pipe.hincrby(throughput, field, n)
+                if counts:
+                    pipe.pexpire(throughput, 7_200_000)
+                pipe.execute()
+        except redis.RedisError as exc:
+            with self._counts_lock:
+                for field, n in counts.items():
+                    self._counts[field] = self._counts.get(field, 0) + n
+            logger.warning("could not record this worker's heartbeat and throughput for the dashboard: %s", exc)
+
+    def count_settled(self, queue_name: str, message: Any, command: str) -> None:
+        if command == "requeue":
+            return
+        kind = "dead" if command == "nack" else ("retried" if getattr(message, _RETRIED_ATTR, False) else "done")
+        field = f"{q_name(queue_name)}:{kind}"
+        with self._counts_lock:
+            self._counts[field] = self._counts.get(field, 0) + 1
+
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message`` now (see :meth:`_write_settles`).
 
@@ -208,6 +260,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             copy = plan.redeliver
             if command != "requeue":
                 self._publish(copy)  # raises, keeping the copy for the batch tried again
+                setattr(message, _RETRIED_ATTR, True)
             # Sent, or put back as it was (it runs again itself): the batch tried again sends no copy.
             plan.redeliver = None
             if command == "requeue":
@@ -292,6 +345,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
 
     def close(self) -> None:
         super().close()
+        self.beat(now=True)  # the last counts
         self.client.close()
 
     @property
@@ -336,8 +390,12 @@ class _Consumer(_RabbitmqConsumer):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)  # type: ignore[no-untyped-call]
         self._ready: deque[Any] = deque()
+        if not self.queue_name.endswith(".DQ"):
+            self.broker.register_consumer(self.queue_name)
 
     def __next__(self) -> Any:
+        # Called at least every worker_timeout, busy or idle: the heartbeat's clock.
+        self.broker.beat()
         if self._ready:
             return self._ready.popleft()
         accepted = []
@@ -439,6 +497,7 @@ class _Consumer(_RabbitmqConsumer):
                                self.queue_name)  # fmt: skip
                 continue
             self.known_tags.discard(message._tag)
+            self.broker.count_settled(self.queue_name, message, command)
             if command == "ack":
                 calls.append(partial(self.channel.basic_ack, message._tag))
             else:

@@ -68,10 +68,7 @@ The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
-import socket
 import threading
 import time
 from collections import deque
@@ -121,7 +118,6 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
 
     def __init__(self, *, unknown_task_grace_ms: int = 300_000, settle_window_ms: float = 1, **options: Any) -> None:
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
-        self.worker_info: dict[str, Any] = {}
         self._hooks_for = 0  # how many middleware the cache was built for
         super().__init__(**options)  # type: ignore[no-untyped-call]
         self.unknown_task_grace_ms = unknown_task_grace_ms
@@ -129,32 +125,10 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         if settle_window_ms > 0:
             self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000)
         self._scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
+        self._start_worker_record()
         # Redis ids for batches: unique per broker and call, cheaper than a uuid4 each.
         self._id_prefix = f"{uuid4()}-"
         self._id_counter = itertools.count()
-        self._consumed: set[str] = set()
-        self._register_lock = threading.Lock()
-        self._started_ms = current_millis()
-
-    def register_consumer(self, queue_name: str) -> None:
-        """Record ``queue_name`` among the queues consumed, and this worker process, for the dashboard.
-
-        The dashboard reads these rather than scanning the keyspace for queues. A
-        failure here is logged, not raised: the consumer's fetch reports a lost connection.
-        """
-        ns = self.namespace
-        # Consumers start in threads of their own: one at a time, so the last record written lists every queue.
-        with self._register_lock:
-            self._consumed.add(queue_name)
-            worker = {"host": socket.gethostname(), "pid": os.getpid(), "started_ms": self._started_ms,
-                      "queues": sorted(self._consumed), **self.worker_info}  # fmt: skip
-            try:
-                self._scripts["register"](
-                    keys=[keys.declared_queues(ns), keys.workers(ns), keys.heartbeats(ns)],
-                    args=[queue_name, self.broker_id, json.dumps(worker), current_millis()],
-                )
-            except redis.RedisError as exc:
-                logger.warning("could not record queue %r for the dashboard in Redis: %s", queue_name, exc)
 
     def _redis_id(self) -> str:
         return f"{self._id_prefix}{next(self._id_counter)}"

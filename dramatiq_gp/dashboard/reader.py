@@ -114,7 +114,7 @@ class Reader:
         return sorted(workers, key=lambda w: (str(w["host"]), w["pid"] or 0))
 
     def overview(self, now_ms: int) -> dict[str, Any]:
-        workers = [] if self.on_rabbitmq else self.workers(now_ms)
+        workers = self.workers(now_ms)
         weights: dict[str, Any] = {}
         for worker in workers:
             for queue, weight in (worker["weights"] or {}).items():
@@ -122,7 +122,7 @@ class Reader:
         return {
             "queues": self.queues(),
             "weights": weights,
-            "throughput": None if self.on_rabbitmq else self.throughput(now_ms),
+            "throughput": self.throughput(now_ms),
             "workers": workers,
         }
 
