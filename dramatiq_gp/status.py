@@ -67,23 +67,33 @@ def _next_fires(trigger: str, zone: ZoneInfo, published: list[str], now: datetim
 
 
 def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
-    """Per queue: messages ready, in flight (fetched, not yet acked), delayed and dead-lettered."""
+    """Per queue found by scanning the keyspace: its counts (:func:`queue_counts`)."""
     names = set()
     for key in client.scan_iter(keys.all_messages(namespace), count=1000):
         name = _text(key)[len(namespace) + 1 : -len(keys.MESSAGES)]
         names.add(name.removesuffix(".DQ").removesuffix(".XQ"))
     for key in client.scan_iter(keys.all_dead(namespace), count=1000):
         names.add(_text(key)[len(namespace) + 1 : -len(".XQ")])
-    queues = []
-    for name in sorted(n for n in names if not n.startswith("__")):
-        with client.pipeline(transaction=False) as pipe:
+    return queue_counts(client, namespace, sorted(n for n in names if not n.startswith("__")))
+
+
+def queue_counts(client: redis.Redis, namespace: str, names: list[str]) -> list[dict[str, Any]]:
+    """Per queue of ``names``: messages ready, in flight (fetched, not yet acked), delayed and dead-lettered.
+
+    Four O(1) commands per queue, all in one round trip.
+    """
+    with client.pipeline(transaction=False) as pipe:
+        for name in names:
             pipe.llen(keys.queue(namespace, name))
             pipe.hlen(keys.messages(namespace, name))
             pipe.hlen(keys.delay_messages(namespace, name))
             pipe.zcard(keys.dead(namespace, name))
-            ready, stored, delayed, dead = pipe.execute()
-        queues.append({"name": name, "ready": ready, "in_flight": max(stored - ready, 0),
-                       "delayed": delayed, "dead": dead})  # fmt: skip
+        counts = pipe.execute()
+    queues = []
+    for i, name in enumerate(names):
+        ready, stored, delayed, dead = counts[4 * i : 4 * i + 4]
+        queues.append({"name": name, "ready": ready, "in_flight": max(stored - ready, 0), "delayed": delayed,
+                       "dead": dead})  # fmt: skip
     return queues
 
 

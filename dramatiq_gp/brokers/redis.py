@@ -91,6 +91,7 @@ from .base import (
     DEAD_LETTER_REASON,
     KitBroker,
     Settle,
+    Settlement,
     decode_cause,
     malformed,
     settlement,
@@ -260,20 +261,21 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                             keys.queue(ns, queue_name), keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name),
                             keys.delay_queue(ns, queue_name), keys.delay_messages(ns, queue_name)]  # fmt: skip
             plan = settlement(message)
-            if plan is None and command != "nack":
-                args += [command[0], q, message.options["redis_message_id"]]
-                continue
+            if plan is None:
+                if command != "nack":
+                    args += [command[0], q, message.options["redis_message_id"]]
+                    continue
+                plan = Settlement()  # a nack always carries its dead letter's data
             key_index = 0
-            if plan is not None and plan.key:
+            if plan.key:
                 touched.append(plan.key)
                 key_index = len(touched)
-            copy = plan.redeliver if plan is not None else None
+            copy = plan.redeliver
             # A dead letter keeps the last attempt's options (its traceback, its retries), not the
             # message as fetched: without them, one that failed at its first attempt says nothing of why.
             data = message.encode() if command == "nack" else (copy.encode() if copy else b"")
-            args += [command[0].upper(), q, message.options["redis_message_id"], key_index,
-                     plan.outcome if plan else "", plan.token if plan else "", plan.retention_ms if plan else 0,
-                     copy.options["redis_message_id"] if copy else "", data]  # fmt: skip
+            args += [command[0].upper(), q, message.options["redis_message_id"], key_index, plan.outcome, plan.token,
+                     plan.retention_ms, copy.options["redis_message_id"] if copy else "", data]  # fmt: skip
         self._scripts["settle"](keys=touched, args=[now, self.broker_id, len(names) // 2, *names, *args])
         for _, message, command in batch:
             plan = settlement(message)

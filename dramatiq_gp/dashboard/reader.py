@@ -17,7 +17,7 @@ import redis
 
 from .. import deadletters, keys
 from ..settings import Settings
-from ..status import outbox_status, rabbitmq_queue_status, scheduler_status
+from ..status import outbox_status, queue_counts, rabbitmq_queue_status, scheduler_status
 
 #: Minutes of throughput the overview shows.
 MINUTES = 15
@@ -62,21 +62,7 @@ class Reader:
         """Per queue: ready, in flight, delayed and dead (on RabbitMQ, what AMQP tells)."""
         if self.on_rabbitmq:
             return rabbitmq_queue_status(self.settings.broker.urls(), self.client, self.namespace)
-        names = self.queue_names()
-        ns = self.namespace
-        with self.client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.llen(keys.queue(ns, name))
-                pipe.hlen(keys.messages(ns, name))
-                pipe.hlen(keys.delay_messages(ns, name))
-                pipe.zcard(keys.dead(ns, name))
-            counts = pipe.execute()
-        queues = []
-        for i, name in enumerate(names):
-            ready, stored, delayed, dead = counts[4 * i : 4 * i + 4]
-            queues.append({"name": name, "ready": ready, "in_flight": max(stored - ready, 0), "delayed": delayed,
-                           "dead": dead})  # fmt: skip
-        return queues
+        return queue_counts(self.client, self.namespace, self.queue_names())
 
     def throughput(self, now_ms: int) -> dict[str, Any]:
         """Messages settled per minute over the last :data:`MINUTES`: per queue, and in all."""
