@@ -101,9 +101,11 @@ def _database(settings: Settings) -> Iterator[Any]:
 
 
 def _redis(settings: Settings) -> redis.Redis:
+    """A Redis client closed when the command ends: left to the garbage collector, its socket warns."""
     client = redis.Redis.from_url(
         settings.queue.connection_url(), socket_connect_timeout=5, **settings.queue.client_options()
     )
+    click.get_current_context().call_on_close(client.close)
     try:
         client.ping()
     except redis.RedisError as exc:

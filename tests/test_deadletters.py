@@ -143,3 +143,16 @@ def test_a_dlq_command_it_cannot_carry_out_is_one_line(args, env, message, clean
     done = run(*args)
     assert done.exit_code == 1
     assert message in done.output and done.output.count("\n") == 1
+
+
+def test_a_command_closes_its_redis_connection_even_when_it_fails(rdb, namespace, clean_env):
+    """A client left to the garbage collector warns of its open socket in whichever test collects it."""
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    before = {client["id"] for client in rdb.client_list()}
+    missing = run("dlq", "show", "default", "no-such-id")  # the result keeps the command's frames
+    assert missing.exit_code == 1
+
+    def opened_by_the_command() -> list[dict[str, str]]:
+        return [client for client in rdb.client_list() if client["id"] not in before]
+
+    wait_for(lambda: opened_by_the_command() == [], timeout=2)
