@@ -23,6 +23,16 @@ from dramatiq_gp import keys
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
 
+def close_broker(broker: Any) -> None:
+    """Close ``broker`` and its Redis connections: Dramatiq's own ``RedisBroker.close()`` leaves them open (and
+    so does its client's ``close()``, the pool not being the client's own), and a connection left to the garbage
+    collector warns of its socket in whichever test collects it."""
+    broker.close()
+    client = getattr(broker, "client", None)
+    if client is not None:
+        client.connection_pool.disconnect()
+
+
 def wait_for(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
     """Poll ``condition`` until it is truthy; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

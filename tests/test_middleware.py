@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dramatiq_gp as gp
-from helpers import wait_for
+from helpers import close_broker, wait_for
 from servers import OwnRedis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def plain_broker(request: pytest.FixtureRequest, redis_url: str, namespace: str)
 
     yield make
     for broker in built:
-        broker.close()
+        close_broker(broker)
 
 
 @pytest.fixture

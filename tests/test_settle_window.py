@@ -25,7 +25,7 @@ from dramatiq.brokers.redis import RedisBroker
 from apps.replica import Replica
 from dramatiq_gp.brokers import rabbitmq as rabbitmq_broker
 from dramatiq_gp.brokers.redis import _SCRIPTS
-from helpers import wait_for
+from helpers import close_broker, wait_for
 from servers import OwnRedis
 
 
@@ -148,7 +148,7 @@ def test_a_worker_killed_within_its_window_runs_those_messages_again_and_loses_n
         assert again() == Counter({"ok": 1, "fails": 2})
         assert not rdb.exists(acks)
     finally:
-        producer.close()
+        close_broker(producer)
         for replica in (victim, survivor):
             if replica is not None:
                 replica.kill()

@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 import dramatiq_gp as gp
 from apps.app_events import OrderPlaced, SignedUp
 from collector import Collector, start_collector
-from helpers import wait_for
+from helpers import close_broker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCER, CONSUMER = 4, 5  # OTLP span kinds
@@ -97,7 +97,7 @@ def producer(redis_url: str, namespace: str) -> Iterator[RedisBroker]:
     """A plain Dramatiq broker on the worker's namespace, to send the app's actors messages."""
     broker = RedisBroker(url=redis_url, namespace=namespace)
     yield broker
-    broker.close()
+    close_broker(broker)
 
 
 def send(broker: RedisBroker, actor: str, *args: Any, queue: str = "default") -> str:

@@ -18,7 +18,7 @@ from dramatiq import Message
 from dramatiq.brokers.redis import DEFAULT_HEARTBEAT_TIMEOUT, RedisBroker
 
 from apps.replica import Replica
-from helpers import wait_for
+from helpers import close_broker, wait_for
 
 #: What docs/guarantees.md promises ("within about 75 s"), with room for a slow machine.
 WITHIN_S = 90
@@ -89,7 +89,7 @@ def test_a_kill_9d_workers_messages_run_again_on_a_survivor_after_its_heartbeat_
         assert [rdb.get(f"{namespace}:gp:done:{message_id}") for message_id in idempotent] == ["done"] * (HELD // 2)
         assert (rdb.exists(acks), rdb.llen(queue), rdb.hlen(f"{queue}.msgs")) == (0, 0, 0)
     finally:
-        producer.close()
+        close_broker(producer)
         for replica in (victim, survivor):
             if replica is not None:
                 replica.kill()
