@@ -219,7 +219,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     def count_settled(self, queue_name: str, message: Any, command: str) -> None:
         if command == "requeue":
             return
-        kind = "dead" if command == "nack" else ("retried" if getattr(message, _RETRIED_ATTR, False) else "done")
+        kind = "dead" if command == "nack" else ("retried" if message.__dict__.get(_RETRIED_ATTR) else "done")
         field = f"{q_name(queue_name)}:{kind}"
         with self._counts_lock:
             self._counts[field] = self._counts.get(field, 0) + 1
@@ -434,8 +434,8 @@ class _Consumer(_RabbitmqConsumer):
         one to a worker thread; here it goes to the dead-letter queue with one error line.
         """
         try:
-            message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, Message.decode(body))  # type: ignore[no-untyped-call]
-            problem = malformed(message)
+            decoded = Message.decode(body)
+            problem = malformed(decoded)
         except DecodeError as exc:
             problem = f"cannot decode it ({decode_cause(exc)})"
         if problem:
@@ -445,6 +445,7 @@ class _Consumer(_RabbitmqConsumer):
             )
             self._nack(method.delivery_tag)  # type: ignore[no-untyped-call]
             return None
+        message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, decoded)  # type: ignore[no-untyped-call]
         self.known_tags.add(method.delivery_tag)
         message._consumer = self
         if not self.queue_name.endswith(".DQ") and message.actor_name not in self.broker.actors:

@@ -416,13 +416,14 @@ class _Consumer(_RedisConsumer):
             if data is None:  # Dramatiq #266
                 continue
             try:
-                message = MessageProxy(Message.decode(data))
-                problem = _malformed(message)
+                decoded = Message.decode(data)
+                problem = _malformed(decoded)
             except DecodeError as exc:
                 problem = f"cannot decode it ({decode_cause(exc)})"
             if problem:
                 self._set_aside(data, problem)
                 continue
+            message = MessageProxy(decoded)
             self.queued_message_ids.add(message.message_id)
             # Delayed messages are only parked here; they are checked when they come due.
             if delayed or message.actor_name in self.broker.actors:
@@ -491,7 +492,7 @@ class _Consumer(_RedisConsumer):
         super().close()
 
 
-def _malformed(message: MessageProxy) -> str:
+def _malformed(message: Message[Any]) -> str:
     """:func:`~.base.malformed`, and a message with no ``redis_message_id`` (written by
     something other than a Dramatiq broker), which could not even be acked."""
     problem = malformed(message)

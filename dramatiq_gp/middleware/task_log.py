@@ -83,6 +83,8 @@ class TaskLog(Middleware):
         started = getattr(message, _STARTED_ATTR, None)
         if started is None:
             return
+        if exception is None and not self.logger.isEnabledFor(logging.INFO):
+            return  # the common case under LOG_LEVEL=WARN: nothing to build
         duration_ms = (perf_counter() - started[0]) * 1000
         fields = {
             "task_type": message.actor_name,
@@ -90,19 +92,18 @@ class TaskLog(Middleware):
             "attempt": started[1],
             "duration_ms": round(duration_ms, 2),
         }
-        if exception is not None and getattr(message, PUT_BACK_ATTR, False):
+        if exception is None:
+            self.logger.info(
+                "task done task_type=%s task_id=%s attempt=%d duration_ms=%.2f",
+                message.actor_name, message.message_id, started[1], duration_ms, extra=fields,
+            )  # fmt: skip
+            return
+        if getattr(message, PUT_BACK_ATTR, False):
             # A coroutine cancelled at shutdown after its message went back to the queue: it runs again.
             self.logger.warning(
                 "task put back task_type=%s task_id=%s attempt=%d duration_ms=%.2f: cancelled at the drain timeout",
                 message.actor_name, message.message_id, started[1], duration_ms, extra=fields,
             )  # fmt: skip
-            return
-        if exception is None:
-            if self.logger.isEnabledFor(logging.INFO):
-                self.logger.info(
-                    "task done task_type=%s task_id=%s attempt=%d duration_ms=%.2f",
-                    message.actor_name, message.message_id, started[1], duration_ms, extra=fields,
-                )  # fmt: skip
             return
         # Retries has already decided by now (its after-hook runs before ours) and
         # fails the message when the budget is spent.
