@@ -98,6 +98,8 @@ class Run:
     cpu_us_per_msg: float
     core_busy: float  # CPU seconds per wall second in the window; 1.0 = the whole core
     rss_mb: float
+    #: CPU spent in garbage collection per message, over the whole run (reported by a Dramatiq worker; else None).
+    gc_us_per_msg: float | None = None
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -196,6 +198,8 @@ def run_one(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            said = proc.stdout.read().splitlines()  # after "ready": the time the worker spent collecting garbage
+            gc_s = next((float(line.split()[1]) for line in said if line.startswith("gc ")), None)
             if proc.returncode and variant not in PEERS:
                 raise RuntimeError(f"{variant}: the worker failed ({proc.returncode}):\n{_tail(err)}")
             for pattern in (f"{namespace}*", f"_kombu.binding*{namespace}*"):  # kombu's bindings of the queue
@@ -210,7 +214,9 @@ def run_one(
                 ready_on_rabbitmq.close()
                 delete_rabbitmq_queues(ready_on_rabbitmq.url, ready_on_rabbitmq.queue)
     done, wall, cpu = first[1] - last[1], last[0] - first[0], last[2] - first[2]
-    return Run(msgs_per_s=done / wall, cpu_us_per_msg=cpu / done * 1e6, core_busy=cpu / wall, rss_mb=rss)
+    gc_us = gc_s / messages * 1e6 if gc_s is not None else None
+    return Run(msgs_per_s=done / wall, cpu_us_per_msg=cpu / done * 1e6, core_busy=cpu / wall, rss_mb=rss,
+               gc_us_per_msg=gc_us)  # fmt: skip
 
 
 class _ReadyOnRabbitmq:
@@ -237,11 +243,16 @@ def _line(label: str, run: Run) -> str:
     return (
         f"{label}: {run.cpu_us_per_msg:5.0f} µs CPU/msg, {run.msgs_per_s:6.0f} msg/s, "
         f"core {run.core_busy:4.2f} busy, {run.rss_mb:5.1f} MB"
+        + (f", {run.gc_us_per_msg:4.1f} µs GC/msg" if run.gc_us_per_msg is not None else "")
     )
 
 
 def _median(runs: list[Run]) -> Run:
-    return Run(**{field: statistics.median(getattr(r, field) for r in runs) for field in asdict(runs[0])})
+    def median(field: str) -> Any:
+        values = [getattr(r, field) for r in runs if getattr(r, field) is not None]
+        return statistics.median(values) if values else None
+
+    return Run(**{field: median(field) for field in asdict(runs[0])})
 
 
 #: What each peer's throwaway virtualenv gets (one each: arq wants redis<6, the newest Celery's kombu more).
@@ -365,6 +376,8 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
     for variant, run in medians.items():
         summary[f"{variant}_cpu_us_per_msg"] = round(run.cpu_us_per_msg)
         summary[f"{variant}_msgs_per_s"] = round(run.msgs_per_s)
+        if run.gc_us_per_msg is not None:
+            summary[f"{variant}_gc_us_per_msg"] = round(run.gc_us_per_msg, 1)
     ratios = {"kit": "cpu_ratio", "kit_quiet": "quiet_cpu_ratio", "listener": "listener_cpu_ratio",
               "traced": "traced_cpu_ratio"}  # fmt: skip
     if "bare" in medians:

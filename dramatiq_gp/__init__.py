@@ -25,6 +25,7 @@ from .exactly_once import AlreadyApplied, inbox
 from .kit import Kit, RegisterFunc, dispatch, dispatch_async
 from .middleware import (
     AsyncIO,
+    GcFreeze,
     IdempotentExecution,
     Lifecycle,
     Listeners,
@@ -57,6 +58,7 @@ __all__ = [
     "EventEncodeError",
     "EventError",
     "GPError",
+    "GcFreeze",
     "HandlerPanic",
     "IdempotentExecution",
     "Kit",

@@ -103,6 +103,8 @@ class WorkerSettings(BaseSettings):
     #: How long the acks of finished messages are collected to be written in one
     #: Redis call; a worker killed outright may run that window's messages again. 0: one call per message.
     settle_window: Duration = Field(default=timedelta(milliseconds=1), ge=timedelta(0), le=timedelta(seconds=1))
+    #: Leave what the worker holds at boot out of every later garbage collection (``gp.GcFreeze``).
+    gc_freeze: bool = True
 
     @model_validator(mode="after")
     def _backoff_order(self) -> WorkerSettings:

@@ -200,8 +200,9 @@ def test_default_middleware_is_the_kits_list_in_the_kits_order(clean_env, make_k
     names = [type(m).__name__ for m in gp.default_middleware(kit.settings)]
     assert names == [type(m).__name__ for m in kit.broker.middleware]
     assert names == [
-        "SchedulerLease", "AsyncIO", "Lifecycle", "IdempotentExecution", "Listeners", "TaskLog", "RecentFailures",
-        "PanicRecovery", "AgeLimit", "TimeLimit", "ShutdownNotifications", "Callbacks", "Pipelines", "Retries",
+        "GcFreeze", "SchedulerLease", "AsyncIO", "Lifecycle", "IdempotentExecution", "Listeners", "TaskLog",
+        "RecentFailures", "PanicRecovery", "AgeLimit", "TimeLimit", "ShutdownNotifications", "Callbacks", "Pipelines",
+        "Retries",
     ]  # fmt: skip
 
 
@@ -224,5 +225,33 @@ def test_a_module_level_job_fires_in_a_real_worker_built_either_way(tmp_path, re
         assert worker.returncode == 0, log.read_text()
         assert "job:test.module.tick" in log.read_text()
         assert "job:test.module.async_tick" in log.read_text()
+        for key in rdb.scan_iter(f"{prefix}:*"):
+            rdb.delete(key)
+
+
+def test_a_worker_freezes_what_it_holds_at_boot_out_of_garbage_collection_unless_told_not_to(
+    tmp_path, redis_url, namespace, rdb
+):
+    for setting in ("true", "false"):
+        prefix = f"{namespace}-{setting}"
+        env = {**os.environ, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": prefix, "GP_TEST_STYLE": "kit",
+               "WORKER_GC_FREEZE": setting}  # fmt: skip
+        env.pop("DB_URL", None)
+        log = tmp_path / f"{setting}.log"
+        command = [sys.executable, "-m", "dramatiq", "tests.apps.module_job_app", "-p", "1", "-t", "2"]
+        with open(log, "w") as out:
+            worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            # The second run, a second after the first: long after the worker booted.
+            wait_for(lambda: int(rdb.get(f"{prefix}:test:ticks") or 0) >= 2, timeout=30)  # noqa: B023
+        finally:
+            worker.terminate()
+            worker.wait(30)
+        assert worker.returncode == 0, log.read_text()
+        frozen = int(rdb.get(f"{prefix}:test:frozen"))
+        if setting == "true":
+            assert frozen > 10_000, frozen  # the imports: modules, classes, functions
+        else:
+            assert frozen == 0
         for key in rdb.scan_iter(f"{prefix}:*"):
             rdb.delete(key)

@@ -25,6 +25,7 @@ from ..scheduler import Entry, Schedule, default_schedule
 from ..settings import Settings
 from ..telemetry import Telemetry
 from .failures import RecentFailures
+from .gc_freeze import GcFreeze
 from .idempotency import ClaimUnavailable, IdempotentExecution
 from .lifecycle import Lifecycle
 from .listeners import Listeners
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncIO",
     "ClaimUnavailable",
+    "GcFreeze",
     "IdempotentExecution",
     "Lifecycle",
     "Listeners",
@@ -72,7 +74,8 @@ def default_middleware(
     """The kit's middleware, in the order it runs them, configured from ``settings``.
 
     The order matters: Dramatiq runs before-hooks in list order and after-hooks in
-    reverse. The producers come first, so they stop before in-flight tasks drain;
+    reverse. :class:`GcFreeze` comes first, so it freezes what every other
+    ``after_worker_boot`` started. The producers come next, so they stop before in-flight tasks drain;
     then the lifecycle, which sees every message first and last; tracing and
     Sentry, so every message, a skipped duplicate too, gets a span and a scope, and
     a retry is sent from inside its span; the task log, metrics and Sentry read
@@ -122,6 +125,8 @@ def default_middleware(
         if settings.outbox.relay:
             producers.append(OutboxRelay(engine, settings=settings.outbox))
     return [
+        # First, so its after_worker_boot runs last (after-hooks run in reverse) and freezes what the others started.
+        *([GcFreeze()] if worker.gc_freeze else []),
         *producers,
         # Before the lifecycle, so the loop stops after the drain has put back and cancelled
         # what did not finish (after-hooks run in reverse). Always here: an async listener or

@@ -2,12 +2,15 @@
 
 Run as ``dramatiq tests.apps.module_job_app`` with ``REDIS_URL``, ``VALKEY_NAMESPACE``
 and ``GP_TEST_STYLE`` (``kit`` or ``middleware``); each run of the job counts
-itself in ``<namespace>:test:ticks``, and the ``async def`` one in ``<namespace>:test:async_ticks``.
+itself in ``<namespace>:test:ticks`` and writes how many objects the process has frozen out of
+garbage collection (``gp.GcFreeze``) to ``<namespace>:test:frozen``; the ``async def`` one counts
+itself in ``<namespace>:test:async_ticks``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 
 import dramatiq
@@ -21,6 +24,7 @@ counter = redis.Redis.from_url(os.environ["REDIS_URL"])
 
 @gp.job("test.module.tick", every="1s")
 def tick() -> None:
+    counter.set(f"{namespace}:test:frozen", gc.get_freeze_count())
     counter.incr(f"{namespace}:test:ticks")
 
 
