@@ -39,17 +39,19 @@ def test_a_kill_9d_workers_messages_run_again_on_a_survivor_after_its_heartbeat_
     def runs() -> list[dict[str, Any]]:
         return [json.loads(run) for run in rdb.lrange(runs_key, 0, -1)]
 
-    victim = Replica("tests.apps.kill_app", {**env, "GP_TEST_STALL": "1"}, tmp_path / "victim.log", threads=2)
-    survivor = None
+    victim = survivor = None
     producer = RedisBroker(url=redis_url, namespace=namespace)
     try:
-        wait_for(victim.started, timeout=30)
-        # A plain actor's messages and an idempotent one's (the kit's listeners and jobs), in turn.
+        # A plain actor's messages and an idempotent one's (the kit's listeners and jobs), in turn, all
+        # queued before the victim starts, so its first fetch takes them all. Sent while it runs, a fetch
+        # could take three, and the fourth would wait for a settle that never comes (CI saw it once).
         actors = ("hold", "hold_idempotent")
         sent = [
             producer.enqueue(Message(queue_name="default", actor_name=actors[n % 2], args=(n,), kwargs={}, options={}))
             for n in range(HELD)
         ]
+        victim = Replica("tests.apps.kill_app", {**env, "GP_TEST_STALL": "1"}, tmp_path / "victim.log", threads=2)
+        wait_for(victim.started, timeout=30)
         # Two runs stuck mid-message and two prefetched: the victim holds every message.
         wait_for(lambda: len(runs()) == 2 and rdb.llen(queue) == 0 and len(acks_keys()) == 1)
         [acks] = acks_keys()
