@@ -123,6 +123,11 @@ class SchedulerKeys:
         return f"{self.prefix}:lease"
 
     @property
+    def released(self) -> str:
+        """The channel a leader publishes its epoch on as it releases the lease, so a contender takes it at once."""
+        return f"{self.prefix}:released"
+
+    @property
     def epoch(self) -> str:
         """The fencing counter, incremented at every acquisition."""
         return f"{self.prefix}:epoch"

@@ -370,11 +370,26 @@ class SchedulerSettings(BaseSettings):
     catchup_grace: Duration = timedelta(hours=1)
     #: With ``all``, at most this many missed ticks per entry are fired.
     catchup_max: int = Field(default=100, ge=1)
+    #: A tick fired less than this late is on time, not missed: it fires whatever the
+    #: catch-up policy (Quartz's ``misfireThreshold``). At most the catch-up grace.
+    misfire_threshold: Duration = timedelta(seconds=60)
 
     @model_validator(mode="after")
     def _lease_bounds(self) -> SchedulerSettings:
         if self.lease_ttl < timedelta(seconds=1):
             raise ValueError("SCHEDULER_LEASE_TTL must be at least 1s")
+        if self.misfire_threshold < timedelta(seconds=1):
+            raise ValueError(
+                "SCHEDULER_MISFIRE_THRESHOLD must be at least 1s, so a graceful hand-over is never a misfire"
+            )
+        if self.misfire_threshold > self.catchup_grace:
+            if "misfire_threshold" in self.model_fields_set:
+                raise ValueError(
+                    f"SCHEDULER_MISFIRE_THRESHOLD ({format_duration(self.misfire_threshold)}) must not be longer "
+                    f"than SCHEDULER_CATCHUP_GRACE ({format_duration(self.catchup_grace)}): "
+                    "no tick older than the grace fires"
+                )
+            self.misfire_threshold = self.catchup_grace
         return self
 
 

@@ -31,6 +31,7 @@ def cluster(tmp_path, clean_env, redis_url, namespace):
 
     def make(size: int = 3, **env: str) -> Cluster:
         settings = {"REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace, "SCHEDULER_LEASE_TTL": f"{TTL}s", **env}
+        settings = {name: value for name, value in settings.items() if value}  # "" leaves the default
         clusters.append(Cluster(settings, tmp_path, size))
         clusters[-1].start()
         return clusters[-1]
@@ -84,6 +85,61 @@ def test_three_processes_elect_exactly_one_leader(cluster):
     firers = [i for i in range(3) if "fired tick" in nodes.log(i)]
     assert firers == leaders
     assert _assert_every_tick_once(nodes) >= 4
+
+
+def test_graceful_hand_overs_under_default_settings_take_under_a_second_and_miss_no_tick(cluster):
+    # The default 15 s lease and SCHEDULER_CATCHUP=latest: SIGTERM to the leader, five times.
+    nodes = cluster(SCHEDULER_LEASE_TTL="")
+    handovers = []
+    for _ in range(5):
+        pid, epoch = nodes.wait_for_leader()
+        time.sleep(1.2)
+        index = nodes.index_of(pid)
+        stopped_at = time.time()
+        nodes.kill(index, signal.SIGTERM)
+        _new_pid, new_epoch = nodes.wait_for_leader(other_than=pid, timeout=5)
+        acquired_at = int(nodes.client.hget(nodes.keys.leader, "acquired_at")) / 1000
+        handovers.append(acquired_at - stopped_at)
+        assert new_epoch == epoch + 1
+        assert "leadership released" in nodes.log(index)
+        nodes.start(index)
+    time.sleep(1.5)
+    assert max(handovers) < 1.0, handovers
+    assert _assert_every_tick_once(nodes) >= 8
+    logs = "".join(nodes.log(i) for i in range(3))
+    assert "missed tick(s) not fired" not in logs
+
+
+def test_a_crash_within_the_misfire_threshold_fires_every_tick_once_under_the_default_policy(cluster):
+    # A takeover takes up to TTL + TTL/3 (2.7 s), long enough to miss two 1 s ticks; both are
+    # within the misfire threshold (60 s by default), so SCHEDULER_CATCHUP=latest fires both.
+    nodes = cluster()
+    pid, epoch = nodes.wait_for_leader()
+    wait_for(lambda: len(nodes.firings()) >= 2)
+    nodes.kill(nodes.index_of(pid))
+    _new_pid, new_epoch = nodes.wait_for_leader(other_than=pid, timeout=3 * TTL)
+    assert new_epoch > epoch
+    wait_for(lambda: nodes.firings()[-1].enqueued_ms / 1000 > time.time() - 0.5, timeout=3)
+    time.sleep(1.2)
+    assert _assert_every_tick_once(nodes) >= 4
+    logs = "".join(nodes.log(i) for i in range(3))
+    assert "(catch-up)" in logs, "the takeover fired no missed tick: the crash did not miss any"
+    assert "missed tick(s) not fired" not in logs
+
+
+def test_past_the_misfire_threshold_the_catch_up_policy_decides(cluster):
+    # A 1 s threshold under a 2 s lease: a crash's takeover misses ticks by more than it,
+    # and SCHEDULER_CATCHUP=none leaves them unfired, with a warning that counts them.
+    nodes = cluster(SCHEDULER_CATCHUP="none", SCHEDULER_MISFIRE_THRESHOLD="1s")
+    pid, _epoch = nodes.wait_for_leader()
+    wait_for(lambda: len(nodes.firings()) >= 2)
+    nodes.kill(nodes.index_of(pid))
+    nodes.wait_for_leader(other_than=pid, timeout=3 * TTL)
+    time.sleep(1.2)
+    logs = "".join(nodes.log(i) for i in range(3))
+    assert "missed tick(s) not fired (SCHEDULER_CATCHUP=none" in logs
+    gaps = [b.tick - a.tick for a, b in itertools.pairwise(nodes.firings())]
+    assert max(gaps) >= 2 * SECOND
 
 
 def test_when_the_leader_is_killed_another_fires_within_ttl_and_a_renew_interval(cluster):

@@ -77,6 +77,8 @@ def test_worker_variables(env):
         ("OTEL_EXPORTER_PROMETHEUS_PORT", "99999", "OTEL_EXPORTER_PROMETHEUS_PORT='99999'"),
         ("SENTRY_TRACES_SAMPLE_RATE", "2", "SENTRY_TRACES_SAMPLE_RATE='2'"),
         ("SENTRY_CRONS", "sometimes", "SENTRY_CRONS='sometimes'"),
+        ("SCHEDULER_MISFIRE_THRESHOLD", "500ms", "SCHEDULER_MISFIRE_THRESHOLD must be at least 1s"),
+        ("SCHEDULER_MISFIRE_THRESHOLD", "2h", "SCHEDULER_MISFIRE_THRESHOLD (2h) must not be longer than SCHED"),
     ],
 )
 def test_an_invalid_value_names_the_variable_and_the_value(env, name, value, message):
@@ -85,6 +87,12 @@ def test_an_invalid_value_names_the_variable_and_the_value(env, name, value, mes
         gp.Settings.from_env()
     assert message in str(raised.value)
     assert "hunter2" not in str(raised.value)
+
+
+def test_the_misfire_threshold_defaults_to_a_minute_and_never_exceeds_the_catch_up_grace(env):
+    assert gp.Settings.from_env().scheduler.misfire_threshold == timedelta(minutes=1)
+    env.setenv("SCHEDULER_CATCHUP_GRACE", "30s")
+    assert gp.Settings.from_env().scheduler.misfire_threshold == timedelta(seconds=30)
 
 
 def test_every_problem_is_reported_at_once(env):
@@ -298,7 +306,12 @@ def test_tls_options_without_tls_are_one_line_not_silently_ignored(env, env_vars
 def test_scheduler_catchup_max_fires_only_the_latest_missed_ticks(make_kit, rdb, namespace, caplog):
     kit = make_kit(
         lambda registry, schedule: schedule.job("every_second", "@every 1s", lambda: None),
-        env={"SCHEDULER_LEASE_TTL": "1500ms", "SCHEDULER_CATCHUP": "all", "SCHEDULER_CATCHUP_MAX": "3"},
+        env={
+            "SCHEDULER_LEASE_TTL": "1500ms",
+            "SCHEDULER_CATCHUP": "all",
+            "SCHEDULER_CATCHUP_MAX": "3",
+            "SCHEDULER_MISFIRE_THRESHOLD": "1s",
+        },
     )
     # The last leader's last fired tick, 10.5 s before the current second began: 11 or more were missed since.
     last = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=10, milliseconds=500)
@@ -306,19 +319,23 @@ def test_scheduler_catchup_max_fires_only_the_latest_missed_ticks(make_kit, rdb,
     caplog.set_level(logging.INFO, "dramatiq_gp.scheduler")
     kit.scheduler.start()
     try:
-        wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") >= 4, timeout=5)
+        wait_for(lambda: rdb.hlen(f"{namespace}:default.msgs") >= 5, timeout=5)
     finally:
         kit.scheduler.stop()
     logged = messages_of(caplog, "dramatiq_gp.scheduler")
     caught_up = [datetime.fromisoformat(re.search(r"scheduled_at=(\S+)", m)[1]) for m in logged if "(catch-up)" in m]
-    assert len(caught_up) == 3
-    assert [b - a for a, b in itertools.pairwise(caught_up)] == [timedelta(seconds=1)] * 2
+    # The three latest misfires, and the tick less than the 1 s threshold late, which is on time.
+    assert len(caught_up) == 4
+    assert [b - a for a, b in itertools.pairwise(caught_up)] == [timedelta(seconds=1)] * 3
     queued = sorted(datetime.fromisoformat(json.loads(m)["args"][0]["scheduled_at"])
                     for m in rdb.hvals(f"{namespace}:default.msgs"))  # fmt: skip
-    assert queued[0] == caught_up[0]  # nothing older than the three was fired
+    assert queued[0] == caught_up[0]  # nothing older than the three misfires was fired
     skipped = int((caught_up[0] - (last + timedelta(milliseconds=500))).total_seconds())
-    assert skipped >= 8
-    assert f"schedule runner: every_second: {skipped} missed tick(s) not fired (SCHEDULER_CATCHUP=all)" in logged
+    assert skipped >= 7
+    assert (
+        f"schedule runner: every_second: {skipped} missed tick(s) not fired "
+        "(SCHEDULER_CATCHUP=all: more than SCHEDULER_MISFIRE_THRESHOLD late)"
+    ) in logged
 
 
 # -- OUTBOX_POLL_INTERVAL_MIN -------------------------------------------------------------

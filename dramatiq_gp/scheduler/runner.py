@@ -35,7 +35,10 @@ carry the tick's message id, and idempotent execution runs one.
 APScheduler's own misfire handling is off (``misfire_grace_time=None``,
 ``coalesce=False``): while this process leads, every due tick fires, late if need
 be. What a new leader fires of the ticks missed during a takeover is decided from
-the entries' last fired ticks in Redis, never from APScheduler's memory, under
+the entries' last fired ticks in Redis, never from APScheduler's memory. A tick less
+than ``SCHEDULER_MISFIRE_THRESHOLD`` late (60 s by default, as Quartz's
+``misfireThreshold``) is on time and fires: every tick of a graceful hand-over, and
+of a crash's takeover within the threshold. Older ones are misfires, handled under
 ``SCHEDULER_CATCHUP``: ``none``, ``latest`` (default: the most recent one within
 ``SCHEDULER_CATCHUP_GRACE``, as APScheduler's ``coalesce``) or ``all`` (every one
 within the grace, APScheduler's ``misfire_grace_time``, up to ``SCHEDULER_CATCHUP_MAX``);
@@ -162,6 +165,7 @@ class Runner:
         policy = self.settings
         client.set(self.keys.catchup, json.dumps({
             "policy": policy.catchup, "grace_s": policy.catchup_grace.total_seconds(), "max": policy.catchup_max,
+            "misfire_threshold_s": policy.misfire_threshold.total_seconds(),
         }))  # fmt: skip
         for entry in self.schedule:
             self._timer.add_job(
@@ -244,12 +248,14 @@ class Runner:
 
     def _take_over(self) -> bool:
         """Pick up where the last leader stopped: publish claimed ticks left unpublished, fire missed
-        ticks under the catch-up policy, then start each job at its first tick after now. False if
+        ticks (all those within the misfire threshold, older ones under the catch-up policy), then
+        start each job at its first tick after now. False if
         the lease was lost meanwhile."""
         self._publish_unpublished()
         now = datetime.now(UTC)
         last = {_text(k): int(v) for k, v in self.broker.client.hgetall(self.covered_key).items()}
         policy, grace = self.settings.catchup, self.settings.catchup_grace
+        on_time_from = now - self.settings.misfire_threshold
         for entry in self.schedule:
             if entry.name not in last:
                 # A new entry starts now; recording that keeps the next leader from
@@ -258,22 +264,27 @@ class Runner:
                 self._timer.modify_job(entry.name, next_run_time=first_at_or_after(entry.trigger, just_after(now)))
                 continue
             since = datetime.fromtimestamp(last[entry.name] / 1000, UTC)
-            missed, skipped = [], 0
+            # Late by less than the misfire threshold (a hand-over, a crash's takeover) is on time:
+            # those ticks all fire. The policy decides only of the older ones, the misfires.
+            misfired, on_time, skipped = [], [], 0
             tick = first_at_or_after(entry.trigger, max(just_after(since), now - grace))
             while tick is not None and tick <= now:
-                missed.append(tick)
-                if len(missed) > self.settings.catchup_max:
-                    missed.pop(0)
-                    skipped += 1
+                if tick >= on_time_from:
+                    on_time.append(tick)
+                else:
+                    misfired.append(tick)
+                    if len(misfired) > self.settings.catchup_max:
+                        misfired.pop(0)
+                        skipped += 1
                 tick = following(entry.trigger, tick)
-            chosen = {"none": [], "latest": missed[-1:], "all": missed}[policy]
-            skipped += len(missed) - len(chosen)
+            chosen = {"none": [], "latest": misfired[-1:], "all": misfired}[policy]
+            skipped += len(misfired) - len(chosen)
             if skipped:
                 self.logger.warning(
-                    "schedule runner: %s: %d missed tick(s) not fired (SCHEDULER_CATCHUP=%s)",
-                    entry.name, skipped, policy,
+                    "schedule runner: %s: %d missed tick(s) not fired (SCHEDULER_CATCHUP=%s: more than "
+                    "SCHEDULER_MISFIRE_THRESHOLD late)", entry.name, skipped, policy,
                 )  # fmt: skip
-            for missed_tick in chosen:
+            for missed_tick in [*chosen, *on_time]:
                 if not self._fire(entry, missed_tick, catching_up=True):
                     return False
             self._timer.modify_job(entry.name, next_run_time=tick)
