@@ -14,7 +14,9 @@ skipped for want of a handler, per task type), and what the dashboard reads
 without scanning the keyspace: ``<ns>:gp:queues`` (the queues consumed),
 ``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:throughput:<minute>`` (the
 messages settled per queue and minute) and ``<ns>:gp:failures`` (the latest
-failures). The scheduler's, under ``<scheduler namespace>:scheduler:``: see
+failures); the listeners the worker processes declare, which every fan-out
+reaches: ``<ns>:gp:listeners``, ``<ns>:gp:listeners:seen`` and
+``<ns>:gp:listeners:version``. The scheduler's, under ``<scheduler namespace>:scheduler:``: see
 :class:`SchedulerKeys`.
 """
 
@@ -79,6 +81,21 @@ def throughput(namespace: str, minute: int) -> str:
 def failures(namespace: str) -> str:
     """The latest failed attempts, newest first, as JSON (a list capped by :mod:`.middleware.failures`)."""
     return f"{namespace}:gp:failures"
+
+
+def listeners(namespace: str) -> str:
+    """Task type → a declared listener's event, name, queue and options, as JSON (a hash)."""
+    return f"{namespace}:gp:listeners"
+
+
+def listeners_seen(namespace: str) -> str:
+    """Task type → when a worker process last declared that listener, in ms (a sorted set)."""
+    return f"{namespace}:gp:listeners:seen"
+
+
+def listeners_version(namespace: str) -> str:
+    """Incremented whenever a listener is declared for the first time, changed or retired (a counter)."""
+    return f"{namespace}:gp:listeners:version"
 
 
 def done_prefix(namespace: str) -> str:

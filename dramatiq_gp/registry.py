@@ -12,6 +12,11 @@ one ``event:<event>`` message (its id is the event id); that actor, declared
 with the first listener of the event, does the fan-out in whichever worker picks
 it up, so a relay needs no listeners and a retried fan-out duplicates nothing.
 
+Bound to one of the kit's brokers, a fan-out reaches the listeners of this
+registry and those every live worker process has declared
+(:mod:`dramatiq_gp.subscriptions`): a listener a rolling deploy adds gets the events
+an old worker fans out too.
+
 A listener registered with ``inbox=`` runs in an inbox transaction
 (:mod:`dramatiq_gp.exactly_once`): its handler gets the transaction as a second
 argument, and its message id commits with what the handler writes there.
@@ -35,6 +40,7 @@ from .events import EventType, event_type
 from .exactly_once import AlreadyApplied, done_running, running_listener
 from .names import NAME, event_actor, fan_out_id, listener_actor
 from .settings import QUEUE_NAME
+from .subscriptions import Subscriptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -103,8 +109,11 @@ class Registry:
 
     def __init__(self) -> None:
         self._by_event: dict[str, list[Listener]] = {}
+        self._actor_names: set[str] = set()
         self._broker: Broker | None = None
         self._lock = threading.Lock()
+        #: The listeners the live worker processes declared, once bound to one of the kit's brokers.
+        self.subscriptions: Subscriptions | None = None
 
     @one_line_at_start_up
     def listen(
@@ -155,6 +164,7 @@ class Registry:
             if any(other.name == name for other in taken):
                 raise RegistrationError(f"{where} is registered twice; give one of them another name=")
             taken.append(listener)
+            self._actor_names.add(listener.actor_name)
             if self._broker is not None:
                 self._declare(listener, self._broker)
         return listener
@@ -176,8 +186,16 @@ class Registry:
             return tuple(listener for group in self._by_event.values() for listener in group)
 
     def bind(self, broker: Broker) -> None:
-        """Declare every listener as an actor on ``broker``, and later ones as they come."""
+        """Declare every listener as an actor on ``broker``, and later ones as they come.
+
+        On one of the kit's brokers, fan-outs reach the listeners the live worker
+        processes declared in its Redis/Valkey as well.
+        """
+        from .brokers.base import KitBroker
+
         with self._lock:
+            if isinstance(broker, KitBroker) and broker is not self._broker:
+                self.subscriptions = Subscriptions(broker.client, broker.namespace)
             self._broker = broker
             for group in self._by_event.values():
                 for listener in group:
@@ -196,17 +214,26 @@ class Registry:
         return self.messages_for(envelope)
 
     def messages_for(self, envelope: Mapping[str, Any]) -> list[Message[Any]]:
-        """The listener messages of an envelope (``id``, ``event``, ``data``)."""
+        """The listener messages of an envelope (``id``, ``event``, ``data``): this registry's
+        listeners, then the others the live workers declared.
+
+        Raises:
+            redis.RedisError: the declared listeners could not be read (a fan-out is retried).
+        """
+        event, envelope_id = envelope["event"], envelope["id"]
+        targets = [(listener.actor_name, listener.queue) for listener in self._by_event.get(event, ())]
+        if self.subscriptions is not None:
+            targets += [(name, queue) for name, queue in self.subscriptions.of(event) if name not in self._actor_names]
         return [
             Message(
-                queue_name=listener.queue,
-                actor_name=listener.actor_name,
+                queue_name=queue,
+                actor_name=actor_name,
                 args=(envelope,),
                 kwargs={},
                 options={},
-                message_id=fan_out_id(envelope["id"], listener.actor_name),
+                message_id=fan_out_id(envelope_id, actor_name),
             )
-            for listener in self._by_event.get(envelope["event"], ())
+            for actor_name, queue in targets
         ]
 
     def _declare(self, listener: Listener, broker: Broker) -> None:

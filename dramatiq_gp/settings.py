@@ -105,6 +105,8 @@ class WorkerSettings(BaseSettings):
     settle_window: Duration = Field(default=timedelta(milliseconds=1), ge=timedelta(0), le=timedelta(seconds=1))
     #: Leave what the worker holds at boot out of every later garbage collection (``gp.GcFreeze``).
     gc_freeze: bool = True
+    #: A listener no live worker has declared for this long is retired from every fan-out.
+    listener_retirement: Duration = Field(default=timedelta(minutes=10), ge=timedelta(seconds=1))
 
     @model_validator(mode="after")
     def _backoff_order(self) -> WorkerSettings:

@@ -95,6 +95,27 @@ def test_each_queue_delay_queue_and_dead_letter_queue_is_of_the_brokers_type(que
     assert found == [queue_type == "quorum"] * 3
 
 
+def test_a_worker_sending_to_a_queue_none_of_its_actors_use_does_not_consume_it(make_broker, queue_name):
+    # A fan-out to a listener only another worker has: the queue is created for the send (Dramatiq
+    # declares it, through declare_queue(ensure=True) and _ensure_queue), but a worker consumes
+    # every queue in `queues`, so it must stay out of them.
+    broker = make_broker()
+    dramatiq.actor(lambda: None, broker=broker, actor_name="here", queue_name=f"{queue_name}-here")
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        message = dramatiq.Message(queue_name=queue_name, actor_name="elsewhere", args=(), kwargs={}, options={})
+        broker.enqueue(message)
+        broker.enqueue_many([message.copy(message_id=str(uuid.uuid4())) for _ in range(2)])
+        time.sleep(0.3)
+        assert queue_name not in broker.queues and queue_name not in worker.consumers
+        assert broker.get_queue_message_counts(queue_name)[0] == 3
+    finally:
+        worker.stop()
+        for name in (f"{queue_name}-here", dq_name(f"{queue_name}-here"), xq_name(f"{queue_name}-here")):
+            broker.channel.queue_delete(name)
+
+
 def test_a_message_sent_with_a_confirm_runs_in_a_worker_and_is_acked(make_broker, queue_name):
     broker = make_broker()
     ran = threading.Event()

@@ -33,10 +33,17 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
 * A consumer takes every message pika already holds when one arrives, and hands
   them to the middleware's ``after_fetch`` together (one round trip for their
   idempotency claims).
+* **Sending to a queue is not consuming it.** Dramatiq declares the queue of every
+  message it sends, and its worker starts a consumer for every queue declared, so a
+  worker that fans an event out to a listener only another worker has (on a queue of
+  its own) would consume that queue and hold messages it cannot run. A queue no
+  actor here uses is created on the server for the send, and left out of
+  ``queues``.
 
 The Dramatiq internals relied on (Dramatiq 2.2, pinned by
 ``tests/test_rabbitmq.py``): ``RabbitmqBroker._build_queue_arguments`` and
-``_declare_xq_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its constructor
+``_declare_xq_queue``, ``declare_queue`` (its ``ensure`` flag) with ``queues``,
+``queues_pending`` and ``_ensure_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its constructor
 setting ``connection``, ``channel``, ``iterator`` and ``known_tags``; ``_nack``;
 ``close``), ``_RabbitmqMessage(redelivered, tag, message)`` and its ``_tag``, and
 the worker settling a message through the consumer its queue has *now*
@@ -129,6 +136,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             raise ConfigError(f"queue_type {queue_type!r}: expected one of {', '.join(QUEUE_TYPES)}")
         if queue_type == "quorum" and options.get("max_priority") is not None:
             raise ConfigError("max_priority needs queue_type='classic': quorum queues refuse x-max-priority")
+        #: Queues created on the server for a send only: no actor here uses them, so no consumer reads them.
+        self._sent_only: set[str] = set()
         super().__init__(confirm_delivery=confirm_delivery, **options)
         self.queue_type: QueueType = queue_type
         self.client = client if client is not None else redis.Redis()
@@ -351,6 +360,19 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     @property
     def consumer_class(self) -> type[_Consumer]:
         return _Consumer
+
+    def declare_queue(self, queue_name: str, *, ensure: bool = False) -> None:
+        """Dramatiq's, except that a queue only sent to (``ensure``, and no actor here on it) is not
+        consumed: it is created on the server without joining ``queues``, whose every
+        member the worker consumes."""
+        canonical = q_name(queue_name)
+        if ensure and canonical not in self.queues:
+            if canonical not in self._sent_only:
+                self._sent_only.add(canonical)
+                self.queues_pending.add(canonical)
+            self._ensure_queue(canonical)  # type: ignore[no-untyped-call]
+            return
+        super().declare_queue(queue_name, ensure=ensure)
 
     def _build_queue_arguments(self, queue_name: str) -> dict[str, Any]:
         arguments: dict[str, Any] = super()._build_queue_arguments(queue_name)  # type: ignore[no-untyped-call]

@@ -138,7 +138,7 @@ def default_middleware(
         *([Metrics()] if telemetry.metrics else []),
         *([QueueWeights(worker.queues, strict=worker.strict_priority)] if worker.queues else []),
         IdempotentExecution(retention_ms=_ms(worker.dedup_retention)),
-        Listeners(registry),
+        Listeners(registry, retirement=worker.listener_retirement),
         TaskLog(),
         RecentFailures(),
         PanicRecovery(),

@@ -1,33 +1,78 @@
-"""Listeners as a middleware: a registry's listeners become the worker's actors."""
+"""Listeners as a middleware: a registry's listeners become the worker's actors, declared to every fan-out."""
 
 from __future__ import annotations
 
+import logging
+import time
+from datetime import timedelta
+
+import redis
 from dramatiq import Broker, Middleware, Worker
 
 from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
 
+#: ``WORKER_LISTENER_RETIREMENT``'s default.
+RETIREMENT = timedelta(minutes=10)
+
 
 class Listeners(Middleware):
-    """Declares each listener of a registry as an actor, so the worker consumes its queue.
+    """Declares each listener of a registry as an actor, so the worker consumes its queue, and
+    declares them in Redis/Valkey, so every worker's fan-out reaches them.
 
     Each listener is ``listener:<event>:<name>`` on its own queue; each event gets
     the ``event:<event>`` actor that fans outbox and scheduled events out to them.
     Listeners added later (a registry bound already) are declared as they come.
 
-    Hooks: ``before_worker_boot``, before the consumers start. Works on any
-    broker: Dramatiq's ``StubBroker`` too, for tests. With
-    :class:`~dramatiq_gp.IdempotentExecution` in the list the listeners take part
-    in it; the fan-out goes out in one round trip on :class:`dramatiq_gp.RedisBroker`
-    and one message at a time elsewhere.
+    On one of the kit's brokers the worker also writes its listeners to Redis/Valkey
+    before its consumers start, and keeps them fresh while it runs
+    (:mod:`dramatiq_gp.subscriptions`): a fan-out in any process reaches the union of
+    what live workers declared, so a listener a rolling deploy adds gets the events
+    old workers fan out. One no worker declared for ``retirement`` is retired.
+
+    Hooks: ``before_worker_boot`` (before the consumers start: actors, and the
+    declaration), ``after_worker_boot`` (when the declaration added a listener, waits
+    until every fanning process reads it, at most a quarter of a second, so an event
+    committed after the worker started reaches it) and ``after_worker_shutdown``
+    (stops refreshing; what was declared stays until retired, so a restart misses
+    nothing). Works on any broker: Dramatiq's ``StubBroker`` too, for tests, without
+    the declaration. With :class:`~dramatiq_gp.IdempotentExecution` in the list the
+    listeners take part in it; the fan-out goes out in one round trip on
+    :class:`dramatiq_gp.RedisBroker` and one message at a time elsewhere.
 
     Parameters:
         registry: module-level ``@dramatiq_gp.listener`` functions' by default.
+        retirement: ``WORKER_LISTENER_RETIREMENT``.
     """
 
-    def __init__(self, registry: Registry | None = None) -> None:
+    def __init__(self, registry: Registry | None = None, *, retirement: timedelta = RETIREMENT) -> None:
+        self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.registry = registry if registry is not None else default_registry
+        self.retirement = retirement
+        self._added_at: float | None = None
 
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         self.registry.bind(broker)
+        subscriptions, listeners = self.registry.subscriptions, self.registry.listeners()
+        if subscriptions is None or not listeners:
+            return
+        try:
+            if subscriptions.declare(listeners, self.retirement):
+                self._added_at = time.monotonic()
+        except redis.RedisError as exc:
+            self.logger.warning("could not declare this worker's listeners in Redis (retrying): %s", exc)
+        subscriptions.keep_declaring(self.registry.listeners, self.retirement)
+
+    def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        subscriptions = self.registry.subscriptions
+        if subscriptions is None or self._added_at is None:
+            return
+        subscriptions.wait_until_everyone_sees(self._added_at)
+        self.logger.info(
+            "start-up: listeners declared; every event committed from now on reaches them, whichever worker fans it out"
+        )
+
+    def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        if self.registry.subscriptions is not None:
+            self.registry.subscriptions.stop()

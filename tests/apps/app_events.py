@@ -29,3 +29,9 @@ class OrderPlaced:
 @dataclass(frozen=True)
 class SignedUp:
     email: str
+
+
+@gp.event("test.deploy.order_placed")
+@dataclass(frozen=True)
+class Ordered:
+    order_id: int
