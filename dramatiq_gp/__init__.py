@@ -18,6 +18,7 @@ from .errors import (
     EventError,
     GPError,
     HandlerPanic,
+    PayloadMismatch,
     RegistrationError,
 )
 from .events import event, event_type
@@ -67,6 +68,7 @@ __all__ = [
     "Metrics",
     "OutboxRelay",
     "PanicRecovery",
+    "PayloadMismatch",
     "QueueWeights",
     "RecentFailures",
     "RedisBroker",

@@ -35,6 +35,16 @@ class EventEncodeError(GPError, ValueError):
     """An event payload cannot be encoded as JSON; nothing was sent."""
 
 
+class PayloadMismatch(GPError, ValueError):
+    """An event's payload does not fit this process's class of it (a field missing, or of the wrong type).
+
+    Another version of the application wrote it. Retrying cannot change that, so the
+    message is set aside at once (to its dead-letter queue, or the outbox row
+    aside), with this error, which names each field and what is wrong with it, never
+    its value.
+    """
+
+
 class RegistrationError(GPError, ValueError):
     """A listener was registered with a bad name, handler or option."""
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 from pydantic.errors import PydanticSchemaGenerationError
 from pydantic_core import PydanticSerializationError
 
-from .errors import EventEncodeError, EventError, one_line_at_start_up
+from .errors import EventEncodeError, EventError, PayloadMismatch, one_line_at_start_up
 from .names import NAME
 
 #: Wire names (and listener names) become part of actor names, where ``:`` separates parts.
@@ -52,7 +52,26 @@ class EventType:
             raise EventEncodeError(f"cannot encode event {self.name!r}: {exc}") from exc
 
     def decode(self, data: Any) -> Any:
-        return self.adapter.validate_python(data)
+        """The event ``data`` holds.
+
+        A field the class does not have is ignored, and one it has with a default
+        may be missing: so an event written by another version of the application
+        decodes here as long as every field this class requires is there, of its type.
+
+        Raises:
+            PayloadMismatch: it is not; the message names each field and the problem, never the values.
+        """
+        try:
+            return self.adapter.validate_python(data)
+        except ValidationError as exc:
+            # Pydantic's own text quotes the input: error messages end up in logs and dead letters.
+            problems = "; ".join(
+                f"field {'.'.join(map(str, e['loc'])) or '(the payload)'!r}: {e['msg']}"
+                for e in exc.errors(include_url=False, include_input=False)
+            )
+            raise PayloadMismatch(
+                f"event {self.name!r} does not fit this version's {self.cls.__qualname__}: {problems}"
+            ) from None
 
     def __repr__(self) -> str:
         return f"EventType({self.name!r}, {self.cls.__qualname__})"

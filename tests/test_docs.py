@@ -60,10 +60,24 @@ def test_samples_run(page, tmp_path, clean_env, namespace, rdb):
 
 
 def test_the_readme_sample_dispatches_to_the_mail_queue(tmp_path, clean_env, namespace, rdb):
-    _, script = _samples(ROOT / "README.md")
-    env = {**os.environ, "VALKEY_NAMESPACE": namespace}
+    files, script = _samples(ROOT / "README.md")
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "PYTHONPATH": str(tmp_path)}
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
     assert rdb.llen(f"{namespace}:mail") == 1
+
+
+def test_the_readme_worker_module_sends_nothing_when_a_worker_imports_it(tmp_path, clean_env, namespace, rdb):
+    # Every worker process imports it: two processes must not mean two mails.
+    files, _ = _samples(ROOT / "README.md")
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "worker.py").write_text(files["app/worker.py"])
+    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "PYTHONPATH": str(tmp_path)}
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", "import app.worker"], cwd=tmp_path, env=env, check=True)
+    assert not [key for key in rdb.scan_iter(f"{namespace}:*") if not key.startswith(f"{namespace}:gp:")]
 
 
 def test_the_readme_names_the_two_commands_near_the_top():

@@ -10,6 +10,11 @@ outbox event's fan-out failing as Redis restarted.)
 Here the retry is handed to the kit's broker instead, which writes it in the
 same Lua call as the ack (:meth:`dramatiq_gp.broker.Broker.redeliver_later`):
 until Redis takes the ack, Dramatiq keeps retrying it, and the retry goes with it.
+
+A :class:`~dramatiq_gp.PayloadMismatch` (an event written by another version of the
+application, which this one's class cannot read) is never retried: no retry can
+change the payload. The message fails at once, to its dead-letter queue, with the
+error that names the fields.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import dramatiq
 from dramatiq import Worker
 from dramatiq.broker import Broker, MessageProxy
 
-from ..brokers.base import kit_broker
-from ..errors import one_line_at_start_up
+from ..brokers.base import DEAD_LETTER_REASON, kit_broker
+from ..errors import PayloadMismatch, one_line_at_start_up
 
 
 def expected_failure(broker: Broker, message: MessageProxy, exception: BaseException) -> bool:
@@ -52,6 +57,12 @@ class Retries(dramatiq.middleware.Retries):
         self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
     ) -> None:
         if exception is None:
+            return
+        if isinstance(exception, PayloadMismatch):
+            # The dead letter says why, as the kit's own set-asides do; its one attempt counts.
+            message.options["retries"] = message.options.get("retries", 0) + 1
+            message.options[DEAD_LETTER_REASON] = f"{type(exception).__name__}: {exception}"
+            message.fail()
             return
         super().after_process_message(  # type: ignore[no-untyped-call]
             _SendWithAck(kit_broker(broker, self), message), message, result=result, exception=exception

@@ -5,7 +5,8 @@ middleware replaces those lines (it filters them out of Dramatiq's worker
 logger) with lines that carry the task type, id, attempt, duration and whether
 the failure will be retried, at Dramatiq's levels: ERROR with the traceback for
 an unexpected failure, INFO without one for an exception the actor ``throws``
-(expected, not retried), DEBUG for a rate-limit miss. Every other Dramatiq log
+(expected, not retried), DEBUG for a rate-limit miss; and WARNING without one for
+an event payload set aside (:class:`~dramatiq_gp.PayloadMismatch`: it names the fields). Every other Dramatiq log
 line is kept. The fields are also passed as ``extra`` so a structured formatter
 can use them. ``LOG_LEVEL=WARN`` silences the INFO lines.
 """
@@ -20,6 +21,7 @@ from dramatiq import Broker, Middleware, Retry
 from dramatiq.broker import MessageProxy
 from dramatiq.rate_limits import RateLimitExceeded
 
+from ..errors import PayloadMismatch
 from .lifecycle import PUT_BACK_ATTR
 from .retries import expected_failure
 
@@ -117,6 +119,8 @@ class TaskLog(Middleware):
             return
         if isinstance(exception, RateLimitExceeded):
             level, exc_info = logging.DEBUG, None
+        elif isinstance(exception, PayloadMismatch):
+            level, exc_info = logging.WARNING, None
         elif expected_failure(broker, message, exception):
             level, exc_info = logging.INFO, None
             fields["expected"] = True

@@ -41,11 +41,10 @@ import sqlalchemy as sa
 from dramatiq import Message
 from dramatiq.errors import BrokerConnectionError
 from opentelemetry.metrics import Observation
-from pydantic import ValidationError
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ..brokers.base import KitBroker
-from ..errors import GPError
+from ..errors import GPError, PayloadMismatch
 from ..events import event_type_named
 from ..metrics import instruments, observe
 from ..middleware.tracing import ORIGIN
@@ -198,13 +197,8 @@ class Relay:
             raise PoisonEvent(f"event type {row.event!r} is unknown here (no class declares it)")
         try:
             kind.decode(row.payload)
-        except ValidationError as exc:
-            # Pydantic's own text quotes the input; the reason is logged and stored, the payload must not be.
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}"
-                for e in exc.errors(include_url=False, include_input=False)
-            )
-            raise PoisonEvent(f"payload does not match {kind.cls.__qualname__}: {problems}") from None
+        except PayloadMismatch as exc:
+            raise PoisonEvent(str(exc)) from None
         event_id = str(row.id)
         envelope: dict[str, Any] = {"id": event_id, "event": row.event, "data": row.payload}
         return Message(
