@@ -30,10 +30,10 @@ class Listeners(Middleware):
     what live workers declared, so a listener a rolling deploy adds gets the events
     old workers fan out. One no worker declared for ``retirement`` is retired.
 
-    Hooks: ``before_worker_boot`` (before the consumers start: actors, and the
-    declaration), ``after_worker_boot`` (when the declaration added a listener, waits
-    until every fanning process reads it, at most a quarter of a second, so an event
-    committed after the worker started reaches it) and ``after_worker_shutdown``
+    Hooks: ``before_worker_boot`` (before the consumers start: the actors, and the
+    declaration; when that added a listener, it waits until every fanning process
+    reads it, a quarter of a second, so an event committed once the worker has
+    started reaches it) and ``after_worker_shutdown``
     (stops refreshing; what was declared stays until retired, so a restart misses
     nothing). Works on any broker: Dramatiq's ``StubBroker`` too, for tests, without
     the declaration. With :class:`~dramatiq_gp.IdempotentExecution` in the list the
@@ -49,7 +49,6 @@ class Listeners(Middleware):
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.registry = registry if registry is not None else default_registry
         self.retirement = retirement
-        self._added_at: float | None = None
 
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
@@ -58,20 +57,15 @@ class Listeners(Middleware):
         if subscriptions is None or not listeners:
             return
         try:
-            if subscriptions.declare(listeners, self.retirement):
-                self._added_at = time.monotonic()
+            added = subscriptions.declare(listeners, self.retirement)
         except redis.RedisError as exc:
             self.logger.warning("could not declare this worker's listeners in Redis (retrying): %s", exc)
+        else:
+            if added:
+                # Nothing runs yet: the consumers start after this hook, and so does everything that renews.
+                subscriptions.wait_until_everyone_sees(time.monotonic())
+                self.logger.info("start-up: new listener(s) declared; every worker's fan-out now reaches them")
         subscriptions.keep_declaring(self.registry.listeners, self.retirement)
-
-    def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        subscriptions = self.registry.subscriptions
-        if subscriptions is None or self._added_at is None:
-            return
-        subscriptions.wait_until_everyone_sees(self._added_at)
-        self.logger.info(
-            "start-up: listeners declared; every event committed from now on reaches them, whichever worker fans it out"
-        )
 
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         if self.registry.subscriptions is not None:
