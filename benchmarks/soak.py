@@ -38,6 +38,25 @@ When the time is up the load stops, the system settles, and the ledger is read:
   the dead-letter set after their grace, as counted for ``dramatiq-gp status``);
 * ``set_aside`` against ``poison_events``; ``rss_mb_start`` (minute 2) and
   ``rss_mb_end``: the largest worker process.
+
+``--deploys`` adds rolling deploys, every minute from 30 s: each replica in turn is
+stopped with SIGTERM and started again as the next version (``SOAK_VERSION``), as a
+deploy does. With each order the load also commits a ``soak.parcel`` event, whose
+listeners change with the version (``benchmarks.soak_tables.parcel_listeners``: each
+deploy adds one and retires the one the deploy before last added), and from
+version 3 on the load writes it with an added field, ``weight_g``, before any
+worker of that version runs (the web application deployed first). It reports:
+
+* ``deploys``; ``handover_ms_max``: from the SIGTERM of the scheduler leader's
+  replica until a process of another replica holds the lease; ``stop_s_max``: from a
+  SIGTERM to the replica's exit;
+* ``listener_deliveries_missed``: for every committed ``soak.parcel`` event, each
+  listener that was live when it committed (the first replica of the version that
+  added it had started, and the last one having it had not stopped more than
+  :data:`GONE_MARGIN_S` earlier) and has no delivery of it;
+  ``duplicate_effects`` counts their deliveries applied twice too;
+  ``retired_listener_skipped``: copies fanned out to a listener after its last
+  worker stopped, held and skipped into the dead-letter set.
 """
 
 from __future__ import annotations
@@ -60,11 +79,19 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from benchmarks.soak_tables import parcel_listeners
 from dramatiq_gp.keys import SchedulerKeys, done_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICAS = 3
 LEASE_TTL_S = 3.0
+#: ``--deploys``: the first deploy, and the gap between two.
+DEPLOY_FIRST_S, DEPLOY_GAP_S = 30.0, 60.0
+#: A listener whose last worker stopped this long before an event committed is not owed it: the
+#: event's fan-out may come after (a relay's batch, a fault), when no worker can run it any more.
+GONE_MARGIN_S = 15.0
+#: ``--deploys``: how long a listener no worker declares stays in the fan-out.
+LISTENER_RETIREMENT = "20s"
 
 
 @dataclass
@@ -73,6 +100,18 @@ class Replica:
     env: dict[str, str]
     log: Path
     process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def version(self) -> int:
+        return int(self.env.get("SOAK_VERSION", "0"))
+
+    def started(self, client: Any, namespace: str) -> bool:
+        """Whether both worker processes have started their consumers (each records itself as it does)."""
+        from dramatiq_gp.keys import workers
+
+        pids = set(self.pids())
+        recorded = {json.loads(value)["pid"] for value in client.hvals(workers(namespace))}
+        return len(pids) == 2 and pids <= recorded
 
     def start(self) -> None:
         command = [sys.executable, "-m", "dramatiq", "benchmarks.soak_worker", "-p", "2", "-t", "4"]
@@ -117,8 +156,17 @@ class Soak:
     rate: float
     work: Path
     broker: str = "redis"
+    deploys: bool = False
     faults: Counter[str] = field(default_factory=Counter)
     committed: list[int] = field(default_factory=list)
+    #: ``--deploys``: when each order committed, the version the load writes ``soak.parcel`` for,
+    #: when each listener went live and when its last worker stopped, hand-overs and stops.
+    committed_at: dict[int, float] = field(default_factory=dict)
+    web_version: int = 0
+    live_from: dict[str, float] = field(default_factory=dict)
+    gone_at: dict[str, float] = field(default_factory=dict)
+    handovers_ms: list[float] = field(default_factory=list)
+    stops_s: list[float] = field(default_factory=list)
     poison: int = 0
     garbage: int = 0
     unknown: int = 0
@@ -156,17 +204,23 @@ class Soak:
         self.engine = sa.create_engine(db_url, pool_pre_ping=True)
         metadata.create_all(self.engine)
         soak_tables.metadata.create_all(self.engine)
+        # The default catch-up policy: every takeover here is within the misfire threshold.
         env = {**os.environ, "REDIS_URL": self.redis.url, "DB_URL": db_url, "VALKEY_NAMESPACE": self.namespace,
-               "SCHEDULER_LEASE_TTL": f"{LEASE_TTL_S}s", "SCHEDULER_CATCHUP": "all", "WORKER_MIN_BACKOFF": "200ms",
+               "SCHEDULER_LEASE_TTL": f"{LEASE_TTL_S}s", "WORKER_MIN_BACKOFF": "200ms",
                "WORKER_MAX_BACKOFF": "2s", "WORKER_SHUTDOWN_TIMEOUT": "10s", "WORKER_UNKNOWN_TASK_GRACE": "10s",
-               "OUTBOX_MAX_ATTEMPTS": "3",
+               "OUTBOX_MAX_ATTEMPTS": "3", "SOAK_VERSION": "0",
                "LOG_LEVEL": "WARN", "PYTHONPATH": str(ROOT)}  # fmt: skip
+        if self.deploys:
+            # A copy for a new listener that an old worker fetches during a deploy is held until a new
+            # worker takes it: for longer than a whole deploy lasts.
+            env.update(WORKER_UNKNOWN_TASK_GRACE="60s", WORKER_LISTENER_RETIREMENT=LISTENER_RETIREMENT)
         if self.rabbitmq is not None:
             env["BROKER_URL"] = ";".join(self.rabbitmq.urls)
         self.replicas = [Replica(i, env, self.work / f"replica-{i}.log") for i in range(REPLICAS)]
         for replica in self.replicas:
             replica.start()
         time.sleep(5)
+        self.live_from = dict.fromkeys(parcel_listeners(0), 0.0)
         load = threading.Thread(target=self._load, daemon=True)
         load.start()
         started = time.monotonic()
@@ -181,6 +235,7 @@ class Soak:
         # Nor these, six times a run on RabbitMQ: kill -9 of the node leading `default`, then of another, in turn.
         node_kill_gap = max(20.0, self.minutes * 60 / 6)
         next_node_kill = started + node_kill_gap / 2 if self.rabbitmq is not None else float("inf")
+        next_deploy = started + DEPLOY_FIRST_S if self.deploys else float("inf")
         while time.monotonic() < end:
             if not self.rss_start and time.monotonic() - started >= min(120, self.minutes * 60 / 3):
                 self.rss_start = self._rss()
@@ -191,6 +246,10 @@ class Soak:
                 self.faults[kind] += 1
                 print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
                 next_node_kill += node_kill_gap  # on the clock: a node takes a while to start again
+            elif time.monotonic() >= next_deploy:
+                self._deploy()
+                print(f"[{time.monotonic() - started:6.0f}s] deployed version {self.web_version}", flush=True)
+                next_deploy += DEPLOY_GAP_S
             elif time.monotonic() >= next_fault:
                 kind = kinds[rotation % len(kinds)]
                 rotation += 1
@@ -214,12 +273,95 @@ class Soak:
                       faults=dict(self.faults),
                       rss_mb_start=round(self.rss_start, 1), rss_mb_end=round(rss_end, 1),
                       events_per_s=round(len(self.committed) / (self.minutes * 60), 1))  # fmt: skip
+        if self.deploys:
+            figures = self._deploy_figures()
+            result.update(figures)
+            result["duplicate_effects"] += figures["listener_duplicate_effects"]
         for replica in self.replicas:
             replica.stop()
         self.engine.dispose()
         return result
 
     # -- load and faults -------------------------------------------------------------
+
+    def _deploy(self) -> None:
+        """Roll out the next version: each replica in turn stopped with SIGTERM, started as the new one.
+
+        The load writes the new version's events from the start (the web application
+        first). A listener the version adds is live once the first new replica has
+        started; one it drops is gone once the last replica that had it has stopped.
+        """
+        import redis
+
+        self.web_version = version = self.web_version + 1
+        client = redis.Redis.from_url(self.redis.url)
+        try:
+            for replica in self.replicas:
+                leader = self._leader_replica()
+                old_pids = set(replica.pids())
+                stopping = time.time()
+                replica.signal_all(signal.SIGTERM)
+                if leader is replica:
+                    self._time_handover(client, stopping, old_pids)
+                replica.stop()
+                self.stops_s.append(time.time() - stopping)
+                still = {name for other in self.replicas if other.process is not None
+                         and other.process.poll() is None for name in parcel_listeners(other.version)}  # fmt: skip
+                for name in set(parcel_listeners(replica.version)) - still:
+                    self.gone_at.setdefault(name, time.time())
+                replica.env = {**replica.env, "SOAK_VERSION": str(version)}
+                replica.start()
+                deadline = time.monotonic() + 60
+                while not replica.started(client, self.namespace) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                for name in parcel_listeners(version):
+                    self.live_from.setdefault(name, time.time())
+            self.faults["deploy"] += 1
+        finally:
+            client.close()
+
+    def _time_handover(self, client: Any, stopping: float, old_pids: set[int]) -> None:
+        """Wait for a process outside ``old_pids`` to hold the lease; record when it took it."""
+        deadline = time.monotonic() + 4 * LEASE_TTL_S
+        keys = SchedulerKeys(self.namespace)
+        while time.monotonic() < deadline:
+            try:
+                info = client.hgetall(keys.leader)
+            except Exception:
+                info = {}
+            if info and int(info[b"pid"]) not in old_pids and int(info[b"acquired_at"]) / 1000 >= stopping:
+                self.handovers_ms.append(int(info[b"acquired_at"]) - stopping * 1000)
+                return
+            time.sleep(0.005)
+        self.handovers_ms.append(float("inf"))
+
+    def _deploy_figures(self) -> dict[str, Any]:
+        """What ``--deploys`` adds to the result (see the module docstring)."""
+        import sqlalchemy as sa
+
+        from benchmarks.soak_tables import deliveries
+
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(deliveries.c.listener, deliveries.c.order_id, deliveries.c.runs)).all()
+        delivered: dict[str, set[int]] = {}
+        for listener, order_id, _runs in rows:
+            delivered.setdefault(listener, set()).add(order_id)
+        missed: dict[str, int] = {}
+        for name, live_from in self.live_from.items():
+            until = self.gone_at.get(name, float("inf")) - GONE_MARGIN_S
+            owed = {order for order, at in self.committed_at.items() if live_from <= at < until}
+            missed[name] = len(owed - delivered.get(name, set()))
+        return {
+            "deploys": self.faults["deploy"],
+            "versions": self.web_version,
+            "handover_ms_max": round(max(self.handovers_ms), 1) if self.handovers_ms else None,
+            "handovers": len(self.handovers_ms),
+            "stop_s_max": round(max(self.stops_s), 2) if self.stops_s else None,
+            "listener_deliveries_missed": sum(missed.values()),
+            "listener_deliveries_missed_by_listener": missed,
+            "listener_deliveries": len(rows),
+            "listener_duplicate_effects": sum(runs - 1 for _, _, runs in rows),
+        }
 
     def _kill_after_commit(self, timeout: float = 30) -> str:
         """Arm the worker-side kill (see :mod:`benchmarks.soak_worker`), restart the replica that died."""
@@ -253,6 +395,7 @@ class Soak:
     def _load(self) -> None:
         from sqlalchemy.orm import Session
 
+        from dramatiq_gp.outbox.table import OUTBOX_EVENTS
         from examples.shop.place_orders import place_order
 
         order_id = 1
@@ -260,6 +403,12 @@ class Soak:
             try:
                 with Session(self.engine) as session, session.begin():
                     place_order(session, order_id, f"c{order_id}@example.com", 1000 + order_id % 500)
+                    if self.deploys:
+                        # As the web application writes it: with the added field once that version is out.
+                        parcel = {"order_id": order_id, **({"weight_g": 250} if self.web_version >= 3 else {})}
+                        session.execute(OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event="soak.parcel",
+                                                                      payload=parcel))  # fmt: skip
+                self.committed_at[order_id] = time.time()
                 self.committed.append(order_id)
                 order_id += 1
             except Exception:  # PostgreSQL restarting: this order was not committed; try it again
@@ -477,9 +626,12 @@ class Soak:
         queues = self._queues()
         client = redis.Redis.from_url(self.redis.url)
         stuck = [q for q in queues if q["ready"] + q["in_flight"] + q["delayed"]]
-        skipped = skipped_status(client, self.namespace).get("soak.no_such_actor", 0)
-        # Dead letters other than those pushed in on purpose: messages that failed every retry.
-        dead_letters = sum(q["dead"] for q in queues) - self.garbage - skipped
+        all_skipped = skipped_status(client, self.namespace)
+        skipped = all_skipped.get("soak.no_such_actor", 0)
+        retired = sum(n for task_type, n in all_skipped.items() if task_type.startswith("listener:soak.parcel:"))
+        # Dead letters other than those pushed in on purpose and the copies for retired listeners:
+        # messages that failed every retry.
+        dead_letters = sum(q["dead"] for q in queues) - self.garbage - skipped - retired
         if stuck and self.rabbitmq is None:  # where the stuck ones are: whose unacked sets, do those workers beat
             now = time.time() * 1000
             beats = {
@@ -526,6 +678,7 @@ class Soak:
             "garbage_messages": self.garbage,
             "unknown_task_messages": self.unknown,
             "unknown_task_skipped": skipped,
+            "retired_listener_skipped": retired,
         }
 
     def _ticks_missed(self, runs: dict[datetime, int]) -> int:
@@ -584,6 +737,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis",
                         help="where the queues live: rabbitmq starts a 3-node cluster of its own")  # fmt: skip
     parser.add_argument("--keep", type=Path, help="keep the replicas' logs and the servers' files in this directory")
+    parser.add_argument("--deploys", action="store_true",
+                        help="a rolling deploy every minute, adding and retiring listeners")  # fmt: skip
     args = parser.parse_args(argv)
     if args.keep:
         from devtools.services import PG_USER, postgres_can_reach
@@ -594,11 +749,11 @@ def main(argv: list[str]) -> int:
             print(f"--keep {args.keep}: user {PG_USER}, who runs PostgreSQL for root, cannot reach it; "
                   "keep under a directory it can, e.g. /tmp/soak", file=sys.stderr)  # fmt: skip
             return 2
-        result = Soak(args.minutes, args.rate, args.keep, args.broker).run()
+        result = Soak(args.minutes, args.rate, args.keep, args.broker, args.deploys).run()
     else:
         with tempfile.TemporaryDirectory(prefix="gp-soak-") as work:
             os.chmod(work, 0o755)  # the RabbitMQ nodes run as their own user
-            result = Soak(args.minutes, args.rate, Path(work), args.broker).run()
+            result = Soak(args.minutes, args.rate, Path(work), args.broker, args.deploys).run()
     print(", ".join(f"{k} {v}" for k, v in result.items() if k != "faults"))
     if args.json:
         print(json.dumps(result))

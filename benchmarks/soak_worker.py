@@ -16,6 +16,11 @@ shop's own listeners are (see :mod:`benchmarks.soak_tables`):
   transaction, so a tick missed, or applied twice, shows up. (Without the inbox a
   worker killed between a tick's commit and its ack runs that tick again, at least
   once as any task: a 2-minute ``make chaos`` run hit that window once.)
+* the version ``SOAK_VERSION`` (``soak --deploys`` rolls a new one out every minute or
+  so): the listeners of ``soak.parcel`` it has (:func:`~benchmarks.soak_tables.parcel_listeners`:
+  each deploy adds one and retires another), and, from
+  :data:`~benchmarks.soak_tables.FIELD_ADDED_IN`, the event's added ``weight_g`` field.
+  Each records its deliveries per envelope in its inbox transaction, counting runs.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ from dramatiq.broker import MessageProxy
 from sqlalchemy.dialects.postgresql import insert
 
 import dramatiq_gp as gp
-from benchmarks.soak_tables import audit, ticks
+from benchmarks.soak_tables import FIELD_ADDED_IN, audit, deliveries, parcel_listeners, ticks
 from examples.shop import jobs, listeners
 from examples.shop.deps import Dependencies
 from examples.shop.events import OrderPlaced
 
 FLAKY = float(os.environ.get("SOAK_FLAKY", "0.5"))
+VERSION = int(os.environ.get("SOAK_VERSION", "0"))
 deps = Dependencies.from_env()
 
 
@@ -47,6 +53,40 @@ deps = Dependencies.from_env()
 @dataclass(frozen=True)
 class Beat:
     """Fired every second by the schedule."""
+
+
+if VERSION >= FIELD_ADDED_IN:
+
+    @gp.event("soak.parcel")
+    @dataclass(frozen=True)
+    class Parcel:
+        """Written with each order; this version added ``weight_g``."""
+
+        order_id: int
+        weight_g: int = 0
+
+else:
+
+    @gp.event("soak.parcel")
+    @dataclass(frozen=True)
+    class Parcel:  # type: ignore[no-redef]
+        """Written with each order; newer versions add ``weight_g``, which this one ignores."""
+
+        order_id: int
+
+
+def record_delivery(listener: str) -> Any:
+    def record(event: Parcel, conn: sa.Connection) -> None:
+        statement = insert(deliveries).values(
+            listener=listener, envelope_id=gp.current_envelope().id, order_id=event.order_id
+        )
+        conn.execute(
+            statement.on_conflict_do_update(
+                index_elements=["listener", "envelope_id"], set_={"runs": deliveries.c.runs + 1}
+            )
+        )
+
+    return record
 
 
 AUDIT = "listener:shop.order_placed:audit"
@@ -99,6 +139,8 @@ def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
     registry.listen(Beat, record_beat, name="record_beat", inbox=deps.engine)
     schedule.job("soak.tick", "@every 1s", run_tick, inbox=deps.engine)
     schedule.every(timedelta(seconds=1), Beat(), name="soak.beat")
+    for name in parcel_listeners(VERSION):
+        registry.listen(Parcel, record_delivery(name), name=name, inbox=deps.engine)
 
 
 kit = gp.Kit(register, engine=deps.engine, middleware=[KillAfterInboxCommit()]).with_closer(

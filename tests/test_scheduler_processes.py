@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import re
 import signal
+import subprocess
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -108,6 +109,55 @@ def test_graceful_hand_overs_under_default_settings_take_under_a_second_and_miss
     assert _assert_every_tick_once(nodes) >= 8
     logs = "".join(nodes.log(i) for i in range(3))
     assert "missed tick(s) not fired" not in logs
+
+
+def test_a_rolling_deploy_of_real_workers_hands_the_schedule_over_at_once_and_runs_every_tick_once(
+    tmp_path, clean_env, namespace, database_url, rdb
+):
+    # Three `dramatiq` replicas of a worker with an @every 1s job and event, under the default
+    # settings (a 15 s lease, SCHEDULER_CATCHUP=latest); the leader's replica is stopped with
+    # SIGTERM and started again, five times, as a deploy does.
+    ledger = sa.create_engine(database_url)
+    with ledger.begin() as conn:
+        conn.execute(sa.text(TICK_RUNS))
+    env = {"VALKEY_NAMESPACE": namespace, "GP_TEST_LEDGER": database_url}
+    logs = iter(range(100))
+    replicas = [Replica("tests.apps.ticks_app", env, tmp_path / f"replica-{next(logs)}.log") for _ in range(3)]
+    leader_key = f"{namespace}:scheduler:leader"
+    try:
+        for replica in replicas:
+            wait_for(replica.started, timeout=30)
+        handovers = []
+        for _ in range(5):
+            wait_for(lambda: rdb.hget(leader_key, "pid"), timeout=30)
+            leader_pid = int(rdb.hget(leader_key, "pid"))
+            index = next(i for i, r in enumerate(replicas) if leader_pid in _worker_pids(r))
+            time.sleep(1.5)
+            stopped_at = time.time()
+            replicas[index].stop()
+            wait_for(lambda old=str(leader_pid): rdb.hget(leader_key, "pid") not in (None, old), timeout=20)
+            handovers.append(int(rdb.hget(leader_key, "acquired_at")) / 1000 - stopped_at)
+            replicas[index] = Replica("tests.apps.ticks_app", env, tmp_path / f"replica-{next(logs)}.log")
+            wait_for(replicas[index].started, timeout=30)
+        time.sleep(2)
+        assert max(handovers) < 1.0, handovers
+        for entry, runs in _tick_runs(ledger, namespace).items():
+            counts = Counter(tick for tick, _ in runs)
+            assert max(counts.values()) == 1, (entry, "ran twice", [t for t, n in counts.items() if n > 1])
+            ticks = sorted(counts)
+            missing = [str(t) for t in ticks if t != ticks[-1] and t + SECOND not in counts]
+            assert not missing, (entry, "the tick after these never ran", missing)
+            assert len(ticks) >= 15, (entry, len(ticks))
+        assert not any("missed tick(s) not fired" in r.log for r in replicas)
+    finally:
+        for replica in replicas:
+            replica.kill()
+        ledger.dispose()
+
+
+def _worker_pids(replica: Replica) -> set[int]:
+    found = subprocess.run(["pgrep", "-P", str(replica.process.pid)], capture_output=True, text=True).stdout
+    return {int(pid) for pid in found.split()}
 
 
 def test_a_crash_within_the_misfire_threshold_fires_every_tick_once_under_the_default_policy(cluster):
