@@ -161,7 +161,10 @@ def test_a_poison_row_is_set_aside_without_holding_back_the_rest(outbox_kit, eng
     assert sorted(m["message_id"] for m in _queued(rdb, namespace)) == sorted(good)
     bad = [row for row in _rows(engine) if row.published_at is None]
     assert {row.attempts for row in bad} == {1}
-    assert {row.last_error.split(" ")[0] for row in bad} == {"event", "payload"}
+    assert sorted(row.last_error for row in bad) == [
+        "event 'test.outbox.paid' does not fit this version's Paid: field 'invoice': Field required",
+        "event type 'test.outbox.nobody' is unknown here (no class declares it)",
+    ]
     assert kit.relay.relay_once() == 0  # backing off
 
     with engine.begin() as conn:  # time passes
