@@ -1,9 +1,10 @@
 """What an operator can do to a running system, from ``dramatiq-gp`` or the dashboard.
 
-Requeue or purge dead letters, replay a set-aside outbox event, pause or resume a
-schedule entry. Each action is logged on ``dramatiq_gp.actions`` at INFO with who
-did it and where from (``root (cli)``, ``alice (dashboard, 10.0.0.7)``), so the
-log says who changed what, whichever way it was done.
+Requeue or purge dead letters, replay a set-aside outbox event, send a new listener
+the events committed before it was live, pause or resume a schedule entry. Each
+action is logged on ``dramatiq_gp.actions`` at INFO with who did it and where from
+(``root (cli)``, ``alice (dashboard, 10.0.0.7)``), so the log says who changed
+what, whichever way it was done.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from dramatiq import Message
 
 from . import deadletters, keys
+from .brokers.base import KitBroker
+
+#: Events sent per round trip by :func:`backfill_listener`.
+BACKFILL_BATCH = 500
 
 logger = logging.getLogger("dramatiq_gp.actions")
 
@@ -57,6 +63,60 @@ def replay_event(engine: Any, event_id: str, *, who: str) -> bool:
             return False
     _done("outbox replay", who, f"event {event_id} pending again")
     return True
+
+
+def backfill_listener(
+    engine: Any, broker: KitBroker, task_type: str, since: datetime, until: datetime | None = None, *, who: str
+) -> tuple[int, datetime | None]:
+    """Send listener ``task_type`` its copy of every published outbox event of its event type committed
+    from ``since`` (to ``until``) and still kept (``OUTBOX_RETENTION``).
+
+    A fan-out reaches the listeners live when it runs; this gives a listener a deploy
+    added the events before that. The copies carry the fan-out's message ids, so one
+    the listener handled already (within ``WORKER_DEDUP_RETENTION``, or through its
+    inbox) is skipped. Returns how many were sent, and when the oldest event of that
+    type still kept was committed (``None`` when none is).
+
+    Raises:
+        ValueError: ``task_type`` is not ``listener:<event>:<name>``.
+        LookupError: no live worker declares that listener (so its queue is unknown).
+    """
+    import sqlalchemy as sa
+
+    from .names import fan_out_id
+    from .outbox.table import OUTBOX_EVENTS
+
+    kind, _, rest = task_type.partition(":")
+    event, _, name = rest.partition(":")
+    if kind != "listener" or not event or not name:
+        raise ValueError(f"{task_type!r} is not a listener's task type (listener:<event>:<name>)")
+    spec = broker.client.hget(keys.listeners(broker.namespace), task_type)
+    if spec is None:
+        raise LookupError(f"no live worker declares {task_type}: start a worker that has it first")
+    queue = json.loads(spec)["queue"]
+    rows = OUTBOX_EVENTS.c
+    kept = sa.and_(rows.event == event, rows.published_at.is_not(None))
+    window = sa.and_(kept, rows.created_at >= since, *([rows.created_at < until] if until is not None else []))
+    sent, after = 0, None
+    with engine.connect() as conn:
+        oldest = conn.execute(sa.select(sa.func.min(rows.created_at)).where(kept)).scalar_one()
+        while True:
+            page = sa.select(rows.id, rows.created_at, rows.payload).where(window)
+            if after is not None:
+                page = page.where(sa.tuple_(rows.created_at, rows.id) > sa.tuple_(*after))
+            batch = conn.execute(page.order_by(rows.created_at, rows.id).limit(BACKFILL_BATCH)).all()
+            if not batch:
+                break
+            broker.enqueue_many([
+                Message(queue_name=queue, actor_name=task_type, kwargs={}, options={},
+                        args=({"id": str(row.id), "event": event, "data": row.payload},),
+                        message_id=fan_out_id(str(row.id), task_type))
+                for row in batch
+            ])  # fmt: skip
+            sent += len(batch)
+            after = (batch[-1].created_at, batch[-1].id)
+    _done("outbox backfill", who, f"{sent} event(s) of {event} since {since.isoformat()} sent to {task_type}")
+    return sent, oldest
 
 
 def pause_entry(client: redis.Redis, scheduler: keys.SchedulerKeys, entry: str, *, who: str) -> bool:

@@ -265,6 +265,73 @@ def outbox_replay(event_id: str) -> None:
     click.echo(f"event {event_id} pending again")
 
 
+@outbox_group.command("backfill")
+@click.argument("task_type")
+@click.option("--since", "since_text", required=True, help="an ISO time (UTC unless it says) or a duration ago: 2h")
+@click.option("--until", "until_text", help="the same; default now")
+def outbox_backfill(task_type: str, since_text: str, until_text: str | None) -> None:
+    """Send a listener the events committed before it was live, from those the outbox keeps.
+
+    A fan-out reaches the listeners live when it runs; a listener a deploy adds misses
+    the events before. This sends it its copy of every published event of its type
+    committed since --since and kept (OUTBOX_RETENTION): those it handled already are
+    skipped by their message ids.
+
+    \b
+    Example:
+      dramatiq-gp outbox backfill listener:shop.order_placed:archive_pdf --since 2h
+    """
+    from .actions import backfill_listener
+
+    since = _moment(since_text, "--since")
+    until = _moment(until_text, "--until") if until_text else None
+    settings = _settings()
+    client = _redis(settings)
+    with _database(settings) as engine, _sending_broker(settings, client) as broker:
+        try:
+            sent, oldest = backfill_listener(engine, broker, task_type, since, until, who=_who())
+        except (ValueError, LookupError) as exc:
+            _fail(str(exc))
+    click.echo(f"{sent} event(s) sent to {task_type}")
+    if oldest is None or oldest > since:
+        kept = "none is" if oldest is None else f"the oldest is from {oldest.isoformat(timespec='seconds')}"
+        click.echo(f"of the events of that type the outbox keeps (OUTBOX_RETENTION), {kept}")
+
+
+def _moment(text: str, option: str) -> datetime:
+    """An ISO time (UTC when it names no zone), or a duration before now."""
+    from .durations import parse_duration
+
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        try:
+            return datetime.now(UTC) - parse_duration(text)
+        except ValueError:
+            _fail(f"{option} {text!r}: expected an ISO time (2026-12-01T09:00:00Z) or a duration ago (2h)")
+            raise
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+@contextmanager
+def _sending_broker(settings: Settings, client: redis.Redis) -> Iterator[Any]:
+    """A broker that only sends, to where the workers' queues are; closed at the end."""
+    from .brokers.redis import RedisBroker
+
+    if settings.broker.url is not None:
+        from .brokers.rabbitmq import RabbitmqBroker
+
+        urls = settings.broker.urls()
+        broker: Any = RabbitmqBroker(url=urls if len(urls) > 1 else urls[0], client=client,
+                                     namespace=settings.queue.namespace, middleware=[])  # fmt: skip
+    else:
+        broker = RedisBroker(client=client, namespace=settings.queue.namespace, middleware=[])
+    try:
+        yield broker
+    finally:
+        broker.close()
+
+
 # -- dead letters ------------------------------------------------------------------
 
 

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from click.testing import CliRunner
 
 import dramatiq_gp as gp
 from apps.app_events import Ordered
 from apps.replica import Replica
 from dramatiq_gp import keys
+from dramatiq_gp.cli import main as cli_main
 from helpers import ready, wait_for
 
 pytestmark = pytest.mark.usefixtures("broker")
@@ -100,3 +102,39 @@ def test_a_listener_no_worker_declares_any_more_is_retired_from_the_fan_out(repl
     assert {o for (name, o) in _runs(engine, namespace) if name == "legacy"} == {0, 1, 2}
     assert ready(make_kit(), "legacy") == 0
     assert rdb.hkeys(keys.listeners(namespace)) == [f"listener:{Ordered.__gp_event__.name}:mail"]
+
+
+def test_a_backfill_sends_a_new_listener_the_events_committed_before_it_was_live(
+    make_kit, start_worker, engine, database_url, namespace, clean_env
+):
+    got: dict[str, list[int]] = {"mail": [], "archive": []}
+
+    def listening(*names: str) -> gp.RegisterFunc:
+        def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+            for name in names:
+                registry.listen(Ordered, lambda event, name=name: got[name].append(event.order_id), name=name,
+                                queue=name)  # fmt: skip
+
+        return register
+
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    start_worker(make_kit(listening("mail"), env={"DB_URL": database_url}))
+    _commit(engine, range(3))
+    wait_for(lambda: sorted(got["mail"]) == [0, 1, 2])
+    start_worker(make_kit(listening("mail", "archive")))
+    time.sleep(0.5)
+    assert got["archive"] == []  # their fan-out was done before it was live
+
+    task_type = f"listener:{Ordered.__gp_event__.name}:archive"
+    backfill = CliRunner().invoke(cli_main, ["outbox", "backfill", task_type, "--since", "1h"])
+    assert backfill.exit_code == 0, backfill.output
+    assert f"3 event(s) sent to {task_type}" in backfill.output
+    wait_for(lambda: sorted(got["archive"]) == [0, 1, 2])
+    again = CliRunner().invoke(cli_main, ["outbox", "backfill", task_type, "--since", "1h"])
+    assert again.exit_code == 0, again.output
+    time.sleep(0.5)
+    assert sorted(got["archive"]) == [0, 1, 2]  # the copies of what it handled are skipped
+
+    unknown = CliRunner().invoke(cli_main, ["outbox", "backfill", "listener:nope:x", "--since", "1h"])
+    assert unknown.exit_code == 1
+    assert unknown.output == "Error: no live worker declares listener:nope:x: start a worker that has it first\n"
