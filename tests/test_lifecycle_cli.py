@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 class Dramatiq:
     """A ``dramatiq tests.apps.lifecycle_app`` process whose log and trace we can read."""
 
-    def __init__(self, tmp_path: Path, namespace: str, env: dict[str, str], processes: int = 1) -> None:
+    def __init__(
+        self, tmp_path: Path, namespace: str, env: dict[str, str], processes: int = 1, args: tuple[str, ...] = ()
+    ) -> None:
         self.trace_file = tmp_path / "trace.txt"
         self.log_file = tmp_path / "log.txt"
         self.trace_file.touch()
@@ -40,9 +44,13 @@ class Dramatiq:
             str(processes),
             "-t",
             "2",
+            *args,
         ]
-        with open(self.log_file, "w") as log:
-            self.process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_file, "a") as log:
+            # A session of its own: a test can signal its whole process group, as systemd does.
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     @property
     def log(self) -> str:
@@ -55,18 +63,50 @@ class Dramatiq:
     def wait(self, timeout: float = 30) -> int:
         return self.process.wait(timeout)
 
+    def worker_pid(self) -> int:
+        """The pid of its one worker process."""
+        found = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout.split()
+        assert len(found) == 1, found
+        return int(found[0])
+
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie its parent has not reaped yet counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+#: The margin docs/lifecycle.md promises past WORKER_SHUTDOWN_TIMEOUT, from SIGTERM to the worker process's exit.
+MARGIN_S = 0.5
+
+
+def _stop_time(worker: Dramatiq, signum: signal.Signals = signal.SIGTERM, group: bool = False) -> float:
+    """Seconds from ``signum`` (to the ``dramatiq`` parent, or to its process group) to its worker process's exit."""
+    pid = worker.worker_pid()
+    signalled = time.monotonic()
+    if group:
+        os.killpg(worker.process.pid, signum)
+    else:
+        worker.process.send_signal(signum)
+    wait_for(lambda: _exited(pid), timeout=30, interval=0.002)
+    took = time.monotonic() - signalled
+    print(f"stop: {took:.3f} s from {signum.name} to the worker process's exit")
+    return took
 
 
 @pytest.fixture
 def run_dramatiq(tmp_path: Path, namespace: str, clean_env) -> Iterator:
     started: list[Dramatiq] = []
 
-    def run(env: dict[str, str] | None = None, processes: int = 1) -> Dramatiq:
-        started.append(Dramatiq(tmp_path, namespace, env or {}, processes))
+    def run(env: dict[str, str] | None = None, processes: int = 1, args: tuple[str, ...] = ()) -> Dramatiq:
+        started.append(Dramatiq(tmp_path, namespace, env or {}, processes, args))
         return started[-1]
 
     yield run
@@ -128,6 +168,75 @@ def test_what_outlives_the_shutdown_timeout_goes_back_to_its_queue(run_dramatiq,
     # Back on the queue at once, not after the 60 s heartbeat timeout, and its claim freed.
     assert rdb.llen(f"{namespace}:default") == 1
     assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
+
+
+@pytest.mark.usefixtures("broker")
+def test_sigterm_to_exit_within_the_timeout_and_margin_and_the_cut_task_runs_once_elsewhere(run_dramatiq, make_kit):
+    # WORKER_SHUTDOWN_TIMEOUT=1s and a 3 s task: the drain ends 1 s after the signal (not after the
+    # command's next one-second check), the task goes back to its queue and the process exits at once.
+    worker = run_dramatiq({"WORKER_SHUTDOWN_TIMEOUT": "1s"})
+    wait_for(lambda: "start-up: consumers started" in worker.log, timeout=30)
+    _producer(make_kit).dispatch(Slow(3))
+    wait_for(lambda: worker.trace == ["listener started"])
+
+    stopped_in = _stop_time(worker)
+    assert 1.0 <= stopped_in < 1.0 + MARGIN_S, stopped_in
+    assert worker.wait() == 0
+    assert worker.trace == ["listener started", "closer second", "closer first"]  # cut, never finished here
+    assert "1 task(s) still running at the drain timeout went back to their queues" in worker.log
+
+    again = run_dramatiq()
+    wait_for(lambda: "listener finished" in worker.trace, timeout=30)
+    time.sleep(0.5)
+    assert worker.trace.count("listener started") == 2 and worker.trace.count("listener finished") == 1
+    again.process.send_signal(signal.SIGTERM)
+    assert again.wait() == 0
+
+
+def test_the_commands_own_shutdown_timeout_counts_from_the_signal_too(run_dramatiq, make_kit):
+    worker = run_dramatiq(args=("--worker-shutdown-timeout", "700"))
+    wait_for(lambda: "start-up: consumers started" in worker.log, timeout=30)
+    _producer(make_kit).dispatch(Slow(3))
+    wait_for(lambda: worker.trace == ["listener started"])
+
+    stopped_in = _stop_time(worker)
+    assert 0.7 <= stopped_in < 0.7 + MARGIN_S, stopped_in
+    assert "shutdown: draining in-flight tasks (up to 700ms)" in worker.log
+
+
+def test_a_sigterm_to_the_whole_process_group_drains_once_instead_of_killing(run_dramatiq, make_kit):
+    # systemd (KillMode=control-group) and `kill -TERM -<pgid>` signal every process: the worker gets the
+    # SIGTERM and the dramatiq parent's copy of it, which Dramatiq alone takes as a second signal: kill now.
+    worker = run_dramatiq({"WORKER_SHUTDOWN_TIMEOUT": "10s"})
+    wait_for(lambda: "start-up: consumers started" in worker.log, timeout=30)
+    _producer(make_kit).dispatch(Slow(1))
+    wait_for(lambda: worker.trace == ["listener started"])
+
+    stopped_in = _stop_time(worker, group=True)
+    assert worker.wait() == 0
+    assert worker.trace == ["listener started", "listener finished", "closer second", "closer first"]
+    assert stopped_in < 1.0 + MARGIN_S, stopped_in
+    assert "Killing worker process" not in worker.log
+
+
+def test_the_schedule_runner_and_the_relay_stop_beside_the_drain_within_the_same_bound(
+    run_dramatiq, make_kit, database_url
+):
+    worker = run_dramatiq({"WORKER_SHUTDOWN_TIMEOUT": "1s", "GP_TEST_CRON": "0 0 1 1 *", "DB_URL": database_url})
+    wait_for(lambda: "start-up: outbox relay started" in worker.log, timeout=30)
+    wait_for(lambda: "leadership acquired" in worker.log, timeout=30)
+    _producer(make_kit).dispatch(Slow(3))
+    wait_for(lambda: worker.trace == ["listener started"])
+
+    stopped_in = _stop_time(worker)
+    assert 1.0 <= stopped_in < 1.0 + MARGIN_S, stopped_in
+    assert worker.wait() == 0
+    # Both stopped while the task drained, not before the drain began.
+    _in_order(worker.log, "shutdown: stopping schedule runner", "shutdown: draining in-flight tasks (up to 1s)",
+              "leadership released", "shutdown: schedule runner stopped",
+              "1 task(s) still running at the drain timeout went back")  # fmt: skip
+    _in_order(worker.log, "shutdown: stopping outbox relay", "shutdown: draining in-flight tasks",
+              "shutdown: outbox relay stopped", "1 task(s) still running at the drain timeout went back")  # fmt: skip
 
 
 def test_sigterm_drains_a_running_async_listener_too(run_dramatiq, make_kit):

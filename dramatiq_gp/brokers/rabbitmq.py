@@ -476,6 +476,20 @@ class _Consumer(_RabbitmqConsumer):
             return None
         return message
 
+    def wake(self) -> None:
+        """End the wait for messages now: the worker is stopping this consumer.
+
+        pika's connection is this consumer's thread's alone, so the cancel runs
+        there, from the wait it ends; pika gives back what it held undelivered,
+        and the consumer's iterator ends.
+        """
+        with contextlib.suppress(pika.exceptions.AMQPError):  # closed: the wait has ended already
+            self.connection.add_callback_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        with contextlib.suppress(pika.exceptions.AMQPError):  # closed meanwhile: it gave back what it held
+            self.channel.cancel()
+
     def ack(self, message: Any) -> None:
         self.broker.settle_soon(self.queue_name, message, "ack")
 

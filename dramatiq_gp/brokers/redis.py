@@ -336,6 +336,7 @@ class _Consumer(_RedisConsumer):
         super().__init__(*args)  # type: ignore[no-untyped-call]
         self._ready: deque[MessageProxy] = deque()
         self._freed = threading.Event()
+        self._woken = False
         self._maintain_every_s = self.broker.heartbeat_timeout / 4000
         self._maintain_at = 0.0  # the first fetch maintains: a crashed predecessor's messages come back now
         if self.queue_name.endswith(".DQ"):
@@ -372,6 +373,8 @@ class _Consumer(_RedisConsumer):
         try:
             while not self._ready:
                 self._freed.clear()
+                if self._woken:
+                    return None
                 if self._room() < self._refill_at:
                     # Fetch again once half the buffer is free, woken by the settle that frees
                     # it: not after a backoff (a busy queue's buffer would run dry), and not at
@@ -389,13 +392,18 @@ class _Consumer(_RedisConsumer):
                 if not batch:
                     # As Dramatiq does: poll less and less often while idle, up to the timeout.
                     self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
-                    time.sleep(backoff_ms / 1000)
+                    self._freed.wait(backoff_ms / 1000)
                     return None
                 self.misses = 0
                 self._ready.extend(accepted)
             return self._ready.popleft()
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+    def wake(self) -> None:
+        """End the wait for messages now, and wait no more: the worker is stopping this consumer."""
+        self._woken = True
+        self._freed.set()
 
     @property
     def _refill_at(self) -> int:

@@ -8,29 +8,41 @@ and this middleware logs what runs, and the producers (the schedule's
 :class:`~dramatiq_gp.SchedulerLease`, the :class:`~dramatiq_gp.OutboxRelay`)
 start from their own ``after_worker_boot``.
 
-Shutdown on SIGTERM/SIGINT: the producers stop first, in their own
-``before_worker_shutdown`` (they come before this middleware in the list);
-Dramatiq drains in-flight tasks (``async def`` ones too: their worker threads
-wait for them) for up to ``WORKER_SHUTDOWN_TIMEOUT``; ``after_worker_shutdown``
-puts back what did not finish, cancels the coroutines among it (Dramatiq's
-``AsyncIO`` middleware, listed before this one, stops its loop after), runs the closers LIFO
-(the kit's own first, then the application's) and flushes telemetry. Each step
-is logged once at INFO.
+Shutdown on SIGTERM/SIGINT starts in the signal handler, so the whole stop fits
+``WORKER_SHUTDOWN_TIMEOUT`` counted from the signal (see :meth:`Lifecycle.take_over_stop_signal`):
+the producers (:class:`Producer`) start stopping on threads of their own, in
+their ``before_worker_shutdown``, beside the drain; Dramatiq drains in-flight
+tasks (``async def`` ones too: their worker threads wait for them) until the
+deadline, and the consumers, woken, end their wait for messages at once;
+``after_worker_shutdown`` puts back what did not finish, cancels the coroutines
+among it (Dramatiq's ``AsyncIO`` middleware, listed before this one, stops its
+loop after), waits for the producers, runs the closers LIFO (the kit's own
+first, then the application's) and flushes telemetry. Each step is logged once
+at INFO.
+
+Dramatiq internals relied on (pinned in ``tests/test_dramatiq_internals.py``):
+the worker process's SIGTERM handler is ``dramatiq.cli.worker_process``'s
+``termhandler``, and that function's frame holds ``args``
+(``worker_shutdown_timeout``), ``worker`` and ``broker`` while it waits for the
+signal; ``ConsumerThread.stop()`` and its ``consumer`` attribute.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import redis
-from dramatiq import Broker, Middleware, Worker
+from dramatiq import Broker, Middleware, Worker, cli
 from dramatiq.broker import MessageProxy
 from dramatiq.cli import RET_CONNECT
+from dramatiq.worker import ConsumerThread
 
 from ..aio import CANCEL_WAIT_S, cancel_coroutines
 from ..brokers.base import KitBroker
@@ -42,6 +54,17 @@ Closer = Callable[[], object]
 
 #: Set on a message put back at the drain timeout: its attempt ends later (a cancelled coroutine), and is no failure.
 PUT_BACK_ATTR = "_gp_put_back"
+
+#: A stop signal this soon after the first is the same stop delivered twice: to the whole process group
+#: (systemd's default KillMode, ``kill -TERM -<pgid>``) and forwarded by the ``dramatiq`` parent. Later,
+#: a second signal kills the process at once, as in Dramatiq.
+DUPLICATE_SIGNAL_S = 1.0
+
+#: How long past the drain deadline the producers may still take to stop before the closers run without them.
+PRODUCER_MARGIN_S = 0.2
+
+#: How long a producer's own ``after_worker_shutdown`` waits for its stop, in a list without :class:`Lifecycle`.
+STOP_WAIT_S = 30.0
 
 
 class Closers:
@@ -59,6 +82,54 @@ class Closers:
                 logger.exception("closer %r failed; running the rest", name)
             else:
                 logger.info("shutdown: closed %s", name)
+
+
+class Producer(Middleware):
+    """A middleware whose thread sends messages (the schedule runner, the outbox relay); it stops beside the drain.
+
+    ``before_worker_shutdown`` starts :meth:`stop_producing` on a thread of its own
+    and returns, so in-flight tasks start draining at once instead of after it;
+    :class:`Lifecycle` waits for that thread before the closers, up to the drain
+    deadline (plus :data:`PRODUCER_MARGIN_S`), since they close what it uses.
+    """
+
+    name = "producer"
+    logger: logging.Logger
+    _stopping: threading.Thread | None = None
+
+    def producing(self) -> bool:
+        """Whether this process started one, so that there is something to stop."""
+        raise NotImplementedError
+
+    def stop_producing(self) -> None:
+        raise NotImplementedError
+
+    def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        if not self.producing():
+            return
+        self.logger.info("shutdown: stopping %s", self.name)
+        self._stopping = threading.Thread(target=self._stop, name=f"gp-stop-{self.name}", daemon=True)
+        self._stopping.start()
+
+    def _stop(self) -> None:
+        try:
+            self.stop_producing()
+        except Exception:
+            self.logger.exception("shutdown: %s failed to stop cleanly", self.name)
+        else:
+            self.logger.info("shutdown: %s stopped", self.name)
+
+    def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        # Lifecycle's own hook (run before this one) has waited; without it, nothing else would.
+        if not any(isinstance(m, Lifecycle) for m in broker.middleware):
+            self.join(STOP_WAIT_S)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the stop; whether it has ended."""
+        if self._stopping is None:
+            return True
+        self._stopping.join(max(0.0, timeout))
+        return not self._stopping.is_alive()
 
 
 class Lifecycle(Middleware):
@@ -95,6 +166,8 @@ class Lifecycle(Middleware):
         self.closers = Closers()
         self._in_flight: dict[int, MessageProxy] = {}
         self._drain_timeout_ms = 600_000
+        self._signalled_at: float | None = None
+        self._drain_deadline: float | None = None
 
     def with_closer(self, name: str, close: Closer) -> Lifecycle:
         """Run ``close()`` at shutdown, after in-flight tasks drained (last added, first run)."""
@@ -131,7 +204,10 @@ class Lifecycle(Middleware):
             if self.shutdown_timeout_ms is not None:
                 timeout = self.shutdown_timeout_ms
             self._drain_timeout_ms = timeout
-            stop(timeout=timeout)
+            # Counted from the stop signal, when there was one: the orchestrator's grace period is.
+            started = self._signalled_at if self._signalled_at is not None else time.monotonic()
+            self._drain_deadline = started + timeout / 1000
+            stop(timeout=max(0, int((self._drain_deadline - time.monotonic()) * 1000)))
 
         # The dramatiq CLI passes its own --worker-shutdown-timeout; WORKER_SHUTDOWN_TIMEOUT wins.
         worker.stop = stop_with_our_timeout  # type: ignore[method-assign]
@@ -143,6 +219,49 @@ class Lifecycle(Middleware):
             ", ".join(consumed) or "no queues",
             len(worker.workers),
         )
+        for thread in worker.consumers.values():
+            _wake_when_stopped(thread)
+        self.take_over_stop_signal()
+
+    def take_over_stop_signal(self) -> None:
+        """Stop in the ``dramatiq`` worker process's SIGTERM handler, at once, and only once per stop.
+
+        Dramatiq's handler only ends a loop that checks it once a second, and a
+        second signal kills the process: delivered to the process group, a deploy's
+        one SIGTERM arrives twice (sent, and forwarded by the ``dramatiq`` parent), and
+        the worker died without draining or releasing its lease. Here the first
+        signal runs Dramatiq's handler and then the whole stop (``worker.stop`` with
+        the CLI's timeout, ``broker.close``) before the process exits; a repeat within
+        :data:`DUPLICATE_SIGNAL_S` is ignored, a later one still kills at once.
+        Elsewhere (a worker started in code, a handler of the application's) the
+        signal is left alone.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            dramatiqs = signal.getsignal(signum)
+            if callable(dramatiqs) and getattr(dramatiqs, "__qualname__", "") == _TERMHANDLER:
+                signal.signal(signum, self._stop_signal_handler(dramatiqs))
+
+    def _stop_signal_handler(self, dramatiqs: Callable[[int, FrameType | None], Any]) -> Callable[..., None]:
+        def on_stop_signal(signum: int, frame: FrameType | None) -> None:
+            now = time.monotonic()
+            if self._signalled_at is not None:
+                if now - self._signalled_at >= DUPLICATE_SIGNAL_S:
+                    dramatiqs(signum, frame)  # a second stop: Dramatiq's exits at once
+                return
+            self._signalled_at = now
+            dramatiqs(signum, frame)  # "Stopping worker process...": its loop will not stop the worker again
+            cli_frame = _worker_process_frame(frame)
+            if cli_frame is None:
+                return
+            local = cli_frame.f_locals
+            local["worker"].stop(timeout=local["args"].worker_shutdown_timeout)
+            local["broker"].close()
+            # Ends worker_process from its one-second sleep, as its own return would, with exit code 0.
+            raise SystemExit(0)
+
+        return on_stop_signal
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         self._in_flight[threading.get_ident()] = message
@@ -167,6 +286,7 @@ class Lifecycle(Middleware):
 
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         self._return_unfinished(broker)
+        self._wait_for_producers(broker)
         # Their messages are back on the queue: end the coroutines among them, so their clean-up
         # runs before the closers (a loop stopped under them would drop them mid-await).
         cancelled = cancel_coroutines()
@@ -182,6 +302,14 @@ class Lifecycle(Middleware):
         if self.telemetry is not None:
             self.logger.info("shutdown: flushing telemetry")
             self.telemetry.flush()
+
+    def _wait_for_producers(self, broker: Broker) -> None:
+        deadline = (self._drain_deadline or time.monotonic()) + PRODUCER_MARGIN_S
+        for producer in broker.middleware:
+            if isinstance(producer, Producer) and not producer.join(deadline - time.monotonic()):
+                self.logger.warning(
+                    "shutdown: %s still stopping at the drain deadline; closing without it", producer.name
+                )
 
     def _return_unfinished(self, broker: Broker) -> None:
         unfinished = list(self._in_flight.values())
@@ -209,6 +337,35 @@ class Lifecycle(Middleware):
             len(unfinished),
             ", ".join(f"{m.actor_name}/{m.message_id}" for m in unfinished),
         )
+
+
+_TERMHANDLER = "worker_process.<locals>.termhandler"
+
+
+def _worker_process_frame(frame: FrameType | None) -> FrameType | None:
+    """The frame of ``dramatiq.cli.worker_process`` waiting for the signal, with its worker built."""
+    while frame is not None:
+        if frame.f_code is cli.worker_process.__code__:
+            return frame if {"args", "worker", "broker"} <= frame.f_locals.keys() else None
+        frame = frame.f_back
+    return None
+
+
+def _wake_when_stopped(thread: ConsumerThread) -> None:
+    """Make ``thread.stop()`` also end its consumer's wait for messages (a kit consumer's ``wake``).
+
+    Dramatiq stops the consumers after the drain and waits for each to notice, which
+    it does when its wait for messages ends: up to ``worker_timeout`` (1 s) later.
+    """
+    stop = thread.stop
+
+    def stop_and_wake() -> None:
+        stop()
+        wake = getattr(thread.consumer, "wake", None)
+        if wake is not None:
+            wake()
+
+    thread.stop = stop_and_wake  # type: ignore[method-assign]
 
 
 def _address(client: redis.Redis) -> str:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from dramatiq import Broker, Middleware, Worker
+from dramatiq import Broker, Worker
 
 from ..brokers.base import KitBroker, kit_broker
 from ..errors import one_line_at_start_up
 from ..settings import OutboxSettings, Settings
+from .lifecycle import Producer
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -21,15 +22,15 @@ if TYPE_CHECKING:
     from ..outbox import Relay
 
 
-class OutboxRelay(Middleware):
+class OutboxRelay(Producer):
     """Moves committed outbox events to the queue (see :mod:`dramatiq_gp.outbox.relay`).
 
     Hooks: ``before_worker_boot`` (refuses a broker not of the kit's, which sends
     a batch before the relay marks it published: :class:`dramatiq_gp.RedisBroker`
     in one round trip, all or none, RabbitMQ one confirmed publish after another),
     ``after_worker_boot`` (starts the relay thread) and
-    ``before_worker_shutdown`` (stops it once its current round commits: listed
-    before :class:`~dramatiq_gp.Lifecycle`, it stops before in-flight tasks drain).
+    ``before_worker_shutdown`` (stops it once its current round commits, on a
+    thread of its own beside the drain: see :class:`~dramatiq_gp.middleware.lifecycle.Producer`).
 
     Parameters:
         engine: the database holding ``outbox_events``.
@@ -62,9 +63,10 @@ class OutboxRelay(Middleware):
         self.relay.start()
         self.logger.info("start-up: %s started", self.name)
 
-    def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
-        if self.relay is None:
-            return
-        self.logger.info("shutdown: stopping %s", self.name)
+    def producing(self) -> bool:
+        return self.relay is not None
+
+    def stop_producing(self) -> None:
+        assert self.relay is not None
         self.relay.stop()
         self.relay.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from dramatiq import Broker, Middleware, Worker
+from dramatiq import Broker, Worker
 from opentelemetry import trace
 
 from ..brokers.base import KitBroker, kit_broker
@@ -12,9 +12,10 @@ from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
 from ..scheduler import Runner, Schedule, default_schedule
 from ..settings import SchedulerSettings, Settings
+from .lifecycle import Producer
 
 
-class SchedulerLease(Middleware):
+class SchedulerLease(Producer):
     """Contends for the scheduler's Redis lease in every worker process; the holder fires the schedule.
 
     See :mod:`dramatiq_gp.scheduler.lease` and :mod:`dramatiq_gp.scheduler.runner`:
@@ -26,8 +27,8 @@ class SchedulerLease(Middleware):
     call, elsewhere the broker publishes what the firing claimed; declares
     the ``job:<name>`` and ``schedule:<event>`` actors, so their queues are
     consumed), ``after_worker_boot`` (contends and starts the timer) and
-    ``before_worker_shutdown`` (stops firing and releases the lease at once:
-    listed first, it is the first thing to stop).
+    ``before_worker_shutdown`` (stops firing and releases the lease at once, on
+    a thread of its own beside the drain: see :class:`~dramatiq_gp.middleware.lifecycle.Producer`).
 
     Parameters:
         schedule: the entries; module-level ``@dramatiq_gp.job`` ones by default.
@@ -79,7 +80,9 @@ class SchedulerLease(Middleware):
             self.runner.start()
             self.logger.info("start-up: %s started", self.name)
 
-    def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
-        if self.runner is not None:
-            self.logger.info("shutdown: stopping %s", self.name)
-            self.runner.stop()
+    def producing(self) -> bool:
+        return self.runner is not None
+
+    def stop_producing(self) -> None:
+        assert self.runner is not None
+        self.runner.stop()
