@@ -731,6 +731,21 @@ class Probe(Middleware):
 
     def after_worker_boot(self, broker, worker):
         note("after_worker_boot")
+        if MODE == "signal":
+            import signal
+
+            dramatiqs = signal.getsignal(signal.SIGTERM)
+            note(f"handler {dramatiqs.__module__}:{dramatiqs.__qualname__}")
+
+            def on_term(signum, frame):
+                while frame is not None and frame.f_code is not cli.worker_process.__code__:
+                    frame = frame.f_back
+                local = frame.f_locals
+                note(f"signal in worker_process: timeout={local['args'].worker_shutdown_timeout} "
+                     f"worker={type(local['worker']).__name__} broker={type(local['broker']).__name__}")
+                dramatiqs(signum, frame)
+
+            signal.signal(signal.SIGTERM, on_term)
 
 
 # `dramatiq probe_app`, with no `:variable`, runs the global broker, as `dramatiq app.worker` runs the Kit's.
@@ -808,6 +823,46 @@ def test_the_cli_stops_the_worker_through_its_stop_attribute_with_the_shutdown_t
         "after_worker_boot",
         "stop timeout=1234",
     ]
+
+
+def test_the_worker_processs_sigterm_handler_and_the_locals_of_the_frame_it_interrupts(tmp_path, namespace, redis_url):
+    # Lifecycle takes over this handler (by its name) and stops the worker from it with these locals;
+    # a second SIGTERM to Dramatiq's handler kills the process at once (RET_KILLED), without a stop.
+    process = _dramatiq_command(tmp_path, namespace, redis_url, "signal")
+    try:
+        wait_for(lambda: "after_worker_boot" in _trace(tmp_path), timeout=30)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, (tmp_path / "log").read_text()
+    finally:
+        _end(process)
+    assert _trace(tmp_path)[-3:] == [
+        "handler dramatiq.cli:worker_process.<locals>.termhandler",
+        "signal in worker_process: timeout=1234 worker=Worker broker=RedisBroker",
+        "stop timeout=1234",
+    ]
+
+
+def test_a_consumer_thread_stops_through_its_stop_attribute_and_holds_its_consumer(connect, namespace):
+    broker = connect(namespace)
+    broker.declare_queue(Q)
+    stopped: list[bool] = []
+    worker = Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        thread = worker.consumers[Q]  # and its delay queue's
+        wait_for(lambda: thread.consumer is not None)
+        stop = thread.stop
+
+        def noted_stop() -> None:
+            stopped.append(True)
+            stop()
+
+        thread.stop = noted_stop  # type: ignore[method-assign]
+    finally:
+        worker.stop(1_000)
+    assert stopped == [True]
+    assert not thread.is_alive()
 
 
 # -- 9. Hooks, retries and the order of a message's processing ---------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Start-up and shutdown order, checked on a real ``dramatiq`` command."""
+"""Start-up and shutdown order, checked on a real ``dramatiq`` command, and how soon a stop ends."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,12 +232,11 @@ def test_the_schedule_runner_and_the_relay_stop_beside_the_drain_within_the_same
     stopped_in = _stop_time(worker)
     assert 1.0 <= stopped_in < 1.0 + MARGIN_S, stopped_in
     assert worker.wait() == 0
-    # Both stopped while the task drained, not before the drain began.
-    _in_order(worker.log, "shutdown: stopping schedule runner", "shutdown: draining in-flight tasks (up to 1s)",
-              "leadership released", "shutdown: schedule runner stopped",
-              "1 task(s) still running at the drain timeout went back")  # fmt: skip
-    _in_order(worker.log, "shutdown: stopping outbox relay", "shutdown: draining in-flight tasks",
-              "shutdown: outbox relay stopped", "1 task(s) still running at the drain timeout went back")  # fmt: skip
+    # Both stopped on threads of their own while the task drained, and before the closers.
+    for producer in ("schedule runner", "outbox relay"):
+        _in_order(worker.log, f"shutdown: stopping {producer}", f"shutdown: {producer} stopped",
+                  "shutdown: running closers")  # fmt: skip
+    _in_order(worker.log, "leadership released", "1 task(s) still running at the drain timeout went back")
 
 
 def test_sigterm_drains_a_running_async_listener_too(run_dramatiq, make_kit):
@@ -316,3 +316,35 @@ def test_a_deliberate_start_up_error_is_one_line_and_a_non_zero_exit(run_dramati
     # Nothing else alarming but the dramatiq command's own line saying a worker process exited.
     alarms = [line for line in lines if any(level in line for level in ("[WARNING]", "[ERROR]", "[CRITICAL]"))]
     assert [line for line in alarms if line != failure and "[dramatiq.MainProcess]" not in line] == [], lines
+
+
+@pytest.mark.usefixtures("broker")
+def test_a_woken_consumer_ends_its_wait_for_messages_at_once(make_kit):
+    # Dramatiq stops a consumer thread after the drain and waits for it to notice, which it does when
+    # its wait for messages ends: up to worker_timeout later. Woken, the wait ends now.
+    kit = _producer(make_kit)
+    consumer = kit.broker.consume("default", prefetch=2, timeout=5_000)
+    ended = threading.Event()
+
+    def consume() -> None:
+        with contextlib.suppress(StopIteration):
+            while next(consumer) is None and not woken.is_set():
+                pass
+        ended.set()
+
+    woken = threading.Event()
+    thread = threading.Thread(target=consume)
+    thread.start()
+    try:
+        time.sleep(2)  # idle long enough for Redis's polls to back off past a second
+        assert not ended.is_set()
+        woken_at = time.monotonic()
+        woken.set()
+        consumer.wake()
+        assert ended.wait(5)
+        assert time.monotonic() - woken_at < 0.3
+    finally:
+        woken.set()
+        consumer.wake()
+        thread.join(10)
+        consumer.close()

@@ -57,7 +57,8 @@ The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
 7. the text of Dramatiq's per-task log lines (replaced by
    :class:`~dramatiq_gp.TaskLog`, or stripped of arguments by the log filter);
 8. the ``dramatiq`` command: ``worker_process`` on the stack while a worker
-   boots, ``RET_IMPORT``/``RET_CONNECT``, ``after_process_boot`` emitted by it
+   boots, its SIGTERM handler and the locals of its frame (taken over by
+   :class:`~dramatiq_gp.Lifecycle`), ``RET_IMPORT``/``RET_CONNECT``, ``after_process_boot`` emitted by it
    alone, the global broker run without ``module:variable``;
 9. the hook semantics: which exceptions ``emit_before``/``emit_after`` let
    through, skips, the settlement after ``after_process_message``, and
