@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 import dramatiq_gp as gp
 from apps.app_events import OrderPlaced, SignedUp
 from collector import Collector, start_collector
+from dramatiq_gp.middleware.lifecycle import DUPLICATE_SIGNAL_S
 from helpers import close_broker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,6 +164,7 @@ def test_a_second_sigterm_still_flushes_what_finished(run_worker, collector, pro
     wait_for(lambda: "task started task_type=sleepy" in worker.log)
     worker.process.send_signal(signal.SIGTERM)
     wait_for(lambda: "shutdown: draining in-flight tasks" in worker.log)
+    time.sleep(DUPLICATE_SIGNAL_S)  # sooner, it would be taken for the same stop delivered twice
     worker.process.send_signal(signal.SIGTERM)  # impatient: kill the drain
     worker.process.wait(30)
     assert [s.message_id for s in collector.spans_named("process quick")] == [message_id]
