@@ -484,6 +484,10 @@ class SentrySettings(BaseSettings):
     crons: bool = True
 
 
+#: The shortest ``DASHBOARD_TOKEN`` accepted: a bearer token is the whole secret, with no user name to guess too.
+MIN_TOKEN_LENGTH = 16
+
+
 class DashboardSettings(BaseSettings):
     """``DASHBOARD_*``: who may use ``dramatiq-gp dashboard`` (required off loopback)."""
 
@@ -497,8 +501,15 @@ class DashboardSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _both(self) -> DashboardSettings:
+        # Set but empty must not read as unset: that turned the login off (and passed the off-loopback check).
+        for name, value in (("USER", self.user), ("PASSWORD", self.password), ("TOKEN", self.token)):
+            text = value.get_secret_value() if isinstance(value, SecretStr) else value
+            if text is not None and not text.strip():
+                raise ValueError(f"DASHBOARD_{name} is set but empty: give a real one, or unset it")
         if (self.user is None) != (self.password is None):
             raise ValueError("DASHBOARD_USER and DASHBOARD_PASSWORD go together: set both or neither")
+        if self.token is not None and len(self.token.get_secret_value().strip()) < MIN_TOKEN_LENGTH:
+            raise ValueError(f"DASHBOARD_TOKEN is shorter than {MIN_TOKEN_LENGTH} characters: use a random one")
         return self
 
     @property

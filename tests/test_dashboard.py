@@ -259,9 +259,24 @@ def test_what_a_message_carries_is_shown_as_text_never_as_markup(clean_env, name
             assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body and "<script>" not in body, path
 
 
+TOKEN = "t0ken-of-twenty-chars"
+
+
+@pytest.mark.parametrize(
+    "credentials",
+    [("", None, None), (None, None, ""), (None, None, "   "), ("alice", "", None), ("alice", " ", None),
+     (None, None, "short"), ("alice", None, None)],
+    ids=["empty-user", "empty-token", "blank-token", "empty-password", "blank-password", "short-token", "no-password"],
+)  # fmt: skip
+def test_credentials_fail_closed_on_an_empty_blank_short_or_half_secret(credentials):
+    # An empty token once read as "no token": on --host 0.0.0.0 every request, actions included, passed.
+    with pytest.raises(ValueError, match="the dashboard's"):
+        Credentials(*credentials)
+
+
 def test_with_credentials_every_request_needs_them(clean_env, namespace):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
-    app = create_app(credentials=Credentials("alice", "s3cret", "t0ken"))
+    app = create_app(credentials=Credentials("alice", "s3cret", TOKEN))
     basic = "Basic " + base64.b64encode(b"alice:s3cret").decode()
     wrong = "Basic " + base64.b64encode(b"alice:guess").decode()
     with serving(app) as base:
@@ -270,7 +285,7 @@ def test_with_credentials_every_request_needs_them(clean_env, namespace):
         assert Browser(base, {"Authorization": wrong}).open("/").status == 401
         assert Browser(base, {"Authorization": "Bearer nope"}).open("/scheduler").status == 401
         assert Browser(base, {"Authorization": basic}).open("/").status == 200
-        assert Browser(base, {"Authorization": "Bearer t0ken"}).open("/scheduler").status == 200
+        assert Browser(base, {"Authorization": f"Bearer {TOKEN}"}).open("/scheduler").status == 200
         assert Browser(base).open("/static/dashboard.css").status == 401
 
 
@@ -359,9 +374,13 @@ OFF_LOOPBACK = "--host 0.0.0.0 is not loopback: set DASHBOARD_USER and DASHBOARD
     [
         (["--host", "0.0.0.0"], {}, OFF_LOOPBACK),
         ([], {"DASHBOARD_USER": "alice"}, "DASHBOARD_USER and DASHBOARD_PASSWORD go together: set both or neither"),
+        (["--host", "0.0.0.0"], {"DASHBOARD_TOKEN": ""}, "DASHBOARD_TOKEN is set but empty"),
+        (["--host", "0.0.0.0"], {"DASHBOARD_TOKEN": "  "}, "DASHBOARD_TOKEN is set but empty"),
+        (["--host", "0.0.0.0"], {"DASHBOARD_TOKEN": "s3cr3t-but-short"[:12]}, "DASHBOARD_TOKEN is shorter than 16"),
+        ([], {"DASHBOARD_USER": "alice", "DASHBOARD_PASSWORD": ""}, "DASHBOARD_PASSWORD is set but empty"),
         ([], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Redis/Valkey unreachable at redis://127.0.0.1:1/0"),
     ],
-    ids=["off-loopback", "half-credentials", "no-redis"],
+    ids=["off-loopback", "half-credentials", "empty-token", "blank-token", "short-token", "empty-password", "no-redis"],
 )
 def test_the_dashboard_command_refuses_to_start_in_one_line(args, env, message, clean_env):
     run_env = {**os.environ, **env}
@@ -372,6 +391,7 @@ def test_the_dashboard_command_refuses_to_start_in_one_line(args, env, message, 
     assert done.returncode == 1, done
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert message in done.stderr
+    assert "s3cr3t" not in done.stderr  # never the secret itself
 
 
 # -- docs/dashboard.md --------------------------------------------------------------------

@@ -25,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..settings import MIN_TOKEN_LENGTH
+
 CSRF_COOKIE = "gp_csrf"
 CSRF_FIELD = "csrf"
 #: Where :class:`Credentials` put the authenticated name in the ASGI scope.
@@ -43,11 +45,25 @@ def loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class Credentials:
-    """What a request must carry; with neither, every request passes (as ``anonymous``)."""
+    """What a request must carry; with neither, every request passes (as ``anonymous``).
+
+    Fails closed: an empty or blank secret, a user without a password (or the
+    reverse) and a token shorter than :data:`MIN_TOKEN_LENGTH` are refused when
+    built, rather than read as "no credentials".
+    """
 
     user: str | None = None
     password: str | None = None
     token: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("user", self.user), ("password", self.password), ("token", self.token)):
+            if value is not None and not value.strip():
+                raise ValueError(f"the dashboard's {name} is empty: give a real one, or none")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("the dashboard's user and password go together: give both or neither")
+        if self.token is not None and len(self.token.strip()) < MIN_TOKEN_LENGTH:
+            raise ValueError(f"the dashboard's token is shorter than {MIN_TOKEN_LENGTH} characters")
 
     @property
     def required(self) -> bool:

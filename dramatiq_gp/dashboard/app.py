@@ -241,8 +241,8 @@ def create_app(
     if credentials is None:
         dash = settings.dashboard
         credentials = Credentials(
-            dash.user, dash.password.get_secret_value() if dash.password else None,
-            dash.token.get_secret_value() if dash.token else None,
+            dash.user, dash.password.get_secret_value() if dash.password is not None else None,
+            dash.token.get_secret_value() if dash.token is not None else None,
         )  # fmt: skip
     owned: list[Callable[[], object]] = []  # closed when the application stops (its lifespan)
     if client is None:
