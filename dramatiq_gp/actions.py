@@ -29,8 +29,14 @@ logger = logging.getLogger("dramatiq_gp.actions")
 
 
 def _done(action: str, who: str, outcome: str) -> str:
-    logger.info("%s by %s: %s", action, who, outcome)
+    # Escaped: a newline in a name given by a request would otherwise write a line of its own.
+    logger.info("%s by %s: %s", action, _escaped(who), _escaped(outcome))
     return outcome
+
+
+def _escaped(text: str) -> str:
+    """``text`` with control characters written as escapes (``\\n``, ``\\x1b``)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def requeue_dead_letters(

@@ -752,10 +752,17 @@ def dashboard(host: str, port: int, read_only: bool) -> None:
         _fail(f"--host {host} is not loopback: set DASHBOARD_USER and DASHBOARD_PASSWORD, or DASHBOARD_TOKEN, "
               "so that not everyone who can reach it can act on your queues")  # fmt: skip
     client = _redis(settings)
-    app = create_app(settings, read_only=read_only, client=client)
+    hosts = settings.dashboard.hosts()
+    if hosts is None and loopback(host):
+        # Without credentials by default: a page rebinding its own name to this address must not get in.
+        hosts = [host, "localhost", "127.0.0.1", "::1"]
+    app = create_app(settings, read_only=read_only, client=client, allowed_hosts=hosts)
     mode = " (read-only)" if read_only else ""
     click.echo(f"dashboard{mode} on http://{host}:{port}/ reading {settings.queue.display()}")
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    proxies = settings.dashboard.trusted_proxies
+    # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: anyone on the machine could forge the audit lines.
+    uvicorn.run(app, host=host, port=port, log_level="warning", proxy_headers=bool(proxies),
+                forwarded_allow_ips=proxies or "")  # fmt: skip
 
 
 # -- status ------------------------------------------------------------------------

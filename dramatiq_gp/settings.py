@@ -498,6 +498,14 @@ class DashboardSettings(BaseSettings):
     password: SecretStr | None = None
     #: A bearer token (``Authorization: Bearer <token>``), with or instead of the user and password.
     token: SecretStr | None = None
+    #: The host names it answers to, comma-separated (``*``: any); unset, the command's loopback address and localhost.
+    allowed_hosts: str | None = None
+    #: The proxies whose ``X-Forwarded-For``/``-Proto`` the command believes, comma-separated; unset, none.
+    trusted_proxies: str | None = None
+
+    def hosts(self) -> list[str] | None:
+        """``allowed_hosts`` as a list, or None when unset."""
+        return None if self.allowed_hosts is None else [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
 
     @model_validator(mode="after")
     def _both(self) -> DashboardSettings:

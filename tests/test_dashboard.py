@@ -357,7 +357,9 @@ def test_mounted_in_an_application_it_keeps_the_mount_path_and_logs_the_applicat
         assert browser.open("/ops/static/dashboard.css").status == 200
         token = browser.csrf("/ops/scheduler")
         confirm = browser.open("/ops/scheduler/nightly/pause", {"csrf": token})
-        assert f'action="{base}/ops/scheduler/nightly/pause"' in confirm.body  # the confirmation posts back here
+        assert (
+            'action="/ops/scheduler/nightly/pause"' in confirm.body
+        )  # posts back here, by a path: not built from Host
         with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
             done = browser.open("/ops/scheduler/nightly/pause", {"csrf": token, "confirmed": "yes"})
     assert done.status == 200 and done.url == f"{base}/ops/scheduler"
@@ -418,3 +420,135 @@ def test_the_pages_refusal_is_what_the_command_prints(clean_env):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(shown[1], shell=True, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr == shown[2] + "\n"
+
+
+# -- hardening ----------------------------------------------------------------------------
+
+
+def _raw_get(base: str, path: str, host: str) -> tuple[int, dict[str, str], str]:
+    """GET ``path`` with this ``Host`` header (urllib would write its own)."""
+    import http.client
+
+    address = urllib.parse.urlsplit(base)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+    try:
+        connection.putrequest("GET", path, skip_host=True)
+        connection.putheader("Host", host)
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode()
+    finally:
+        connection.close()
+
+
+def test_a_request_naming_a_host_it_does_not_allow_gets_400(clean_env, namespace):
+    # A page that rebinds its own name to 127.0.0.1 sends that name as Host: without this check it read the
+    # CSRF token and purged dead letters on a loopback dashboard without credentials.
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    with serving(create_app(allowed_hosts=["127.0.0.1", "localhost", "::1"])) as base:
+        port = urllib.parse.urlsplit(base).port
+        assert _raw_get(base, "/", f"rebind.attacker.example:{port}")[0] == 400
+        assert _raw_get(base, "/scheduler", "rebind.attacker.example")[0] == 400
+        for allowed in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST"):
+            assert _raw_get(base, "/", allowed)[0] == 200, allowed
+    clean_env.setenv("DASHBOARD_ALLOWED_HOSTS", "ops.example.com, *.internal")
+    with serving(create_app()) as base:
+        assert _raw_get(base, "/", "ops.example.com")[0] == 200
+        assert _raw_get(base, "/", "dash.internal:8642")[0] == 200
+        assert _raw_get(base, "/", "127.0.0.1")[0] == 400
+
+
+def test_the_command_answers_only_its_own_address_and_localhost_and_believes_no_forwarded_header(
+    clean_env, namespace, redis_url, rdb, tmp_path
+):
+    import socket
+
+    rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "REDIS_URL": redis_url}
+    with open(tmp_path / "log", "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "dramatiq_gp", "dashboard", "--port", str(port)], env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            try:
+                return _raw_get(base, "/", f"127.0.0.1:{port}")[0] == 200
+            except ConnectionRefusedError:
+                return process.poll() is not None
+
+        wait_for(up, timeout=30, interval=0.2)
+        assert _raw_get(base, "/", f"localhost:{port}")[0] == 200
+        assert _raw_get(base, "/", f"rebind.attacker.example:{port}")[0] == 400
+        # uvicorn believes X-Forwarded-For from loopback by default: anyone on the machine could name the client.
+        browser = Browser(base, {"X-Forwarded-For": "10.9.8.7"})
+        token = browser.csrf("/scheduler")
+        assert browser.open("/scheduler/nightly/pause", {"csrf": token, "confirmed": "yes"}).status == 200
+    finally:
+        process.terminate()
+        process.wait(30)
+    assert "schedule pause by anonymous (dashboard, 127.0.0.1): entry nightly paused" in (tmp_path / "log").read_text()
+
+
+def test_every_response_forbids_framing_caching_and_sniffing(clean_env, namespace):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    with serving(create_app(credentials=Credentials("alice", "s3cret"))) as base:
+        basic = {"Authorization": "Basic " + base64.b64encode(b"alice:s3cret").decode()}
+        for path, headers, status in [("/", basic, 200), ("/static/dashboard.css", basic, 200), ("/", {}, 401),
+                                      ("/dead-letters/a%0Ab", basic, 400)]:  # fmt: skip
+            reply = Browser(base, headers).open(path)
+            assert reply.status == status, path
+            assert reply.headers["X-Frame-Options"] == "DENY"
+            assert reply.headers["Content-Security-Policy"] == "frame-ancestors 'none'"
+            assert reply.headers["Cache-Control"] == "no-store"
+            assert reply.headers["X-Content-Type-Options"] == "nosniff"
+            assert reply.headers["Referrer-Policy"] == "same-origin"
+
+
+def test_over_tls_the_csrf_cookie_is_host_prefixed_and_secure(clean_env, namespace, rdb):
+    # Served here by uvicorn, which believes X-Forwarded-Proto from loopback: as behind a TLS-terminating proxy.
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
+    with serving(create_app()) as base:
+        cookie = Browser(base, {"X-Forwarded-Proto": "https"}).open("/scheduler").headers["Set-Cookie"]
+        assert cookie.startswith("__Host-gp_csrf=") and "Secure" in cookie and "Path=/;" in cookie
+        cookie = Browser(base).open("/scheduler").headers["Set-Cookie"]
+        assert cookie.startswith("gp_csrf=") and "Secure" not in cookie
+
+
+def test_wrong_credentials_are_slowed_down_and_logged_once_per_client_per_minute(clean_env, namespace, caplog):
+    import time
+
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    wrong = {"Authorization": "Bearer " + "x" * 20}
+    with serving(create_app(credentials=Credentials(token="t" * 20))) as base:
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="dramatiq_gp.dashboard"):
+            for _ in range(4):
+                assert Browser(base, wrong).open("/").status == 401
+        assert time.monotonic() - started >= 4 * 0.5
+        assert Browser(base).open("/").status == 401  # no credentials at all: a browser's first try, not slowed
+    lines = [r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.dashboard"]
+    assert lines == ["dashboard: 1 failed login(s) from 127.0.0.1 in the last 60s"]
+
+
+def test_a_queue_name_in_the_path_cannot_write_a_line_of_its_own(clean_env, namespace, caplog, rdb):
+    # %0A in the queue once wrote a forged "dlq purge by ..." line.
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        token = browser.csrf("/scheduler")
+        with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
+            forged = browser.open(
+                "/dead-letters/x%0Adlq%20purge%20by%20admin/purge", {"csrf": token, "confirmed": "yes"}
+            )
+            assert forged.status == 400 and "is not a queue name" in forged.body
+            done = browser.open("/dead-letters/default/purge", {"csrf": token, "confirmed": "yes"})
+    assert done.status == 200
+    assert [r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.actions"] == [
+        "dlq purge by anonymous (dashboard, 127.0.0.1): 0 dead letter(s) of queue default deleted"
+    ]

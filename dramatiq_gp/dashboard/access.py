@@ -9,15 +9,25 @@
   the cookie but cannot read it). The cookie is ``SameSite=Strict`` too.
 * **Who.** Each action is logged with the user (or ``token``, or ``anonymous``
   on a loopback dashboard without credentials) and the client's address.
+* **Hosts.** With an allowed-hosts list (the command's default: the address it
+  listens on and ``localhost``), a request naming another ``Host`` gets 400: a
+  page whose name an attacker rebinds to 127.0.0.1 cannot reach it.
+* **Headers.** Every response forbids framing, caching and content sniffing,
+  and sends no referrer off the site; failed logins are slowed down and logged,
+  once per client per minute.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
 import ipaddress
+import logging
 import secrets
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +37,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..settings import MIN_TOKEN_LENGTH
 
+logger = logging.getLogger("dramatiq_gp.dashboard")
+
 CSRF_COOKIE = "gp_csrf"
+#: Its name over TLS at the root: the browser then refuses it from a sibling subdomain or over plain HTTP.
+SECURE_CSRF_COOKIE = "__Host-gp_csrf"
 CSRF_FIELD = "csrf"
 #: Where :class:`Credentials` put the authenticated name in the ASGI scope.
 WHO = "gp.who"
@@ -85,12 +99,24 @@ class Credentials:
         return None
 
 
+#: How long a wrong password or token waits for its 401: a guesser gets a few tries a second, not thousands.
+FAILED_LOGIN_DELAY_S = 0.5
+#: Failed logins are logged once per client per this many seconds, with how many there were.
+FAILED_LOGIN_LOG_S = 60.0
+
+
 class RequireCredentials:
-    """ASGI middleware: a request without the credentials gets 401 and goes no further."""
+    """ASGI middleware: a request without the credentials gets 401 and goes no further.
+
+    A request whose credentials are wrong (not merely missing: a browser's first
+    request carries none) waits :data:`FAILED_LOGIN_DELAY_S` for its 401, and is
+    counted: one warning per client address per :data:`FAILED_LOGIN_LOG_S`.
+    """
 
     def __init__(self, app: ASGIApp, credentials: Credentials) -> None:
         self.app = app
         self.credentials = credentials
+        self._failures: dict[str, tuple[float, int]] = {}  # client -> (logged at, failed since)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,11 +126,92 @@ class RequireCredentials:
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             found = self.credentials.check(authorization)
             if found is None:
+                if authorization:
+                    self._failed(scope)
+                    await asyncio.sleep(FAILED_LOGIN_DELAY_S)
                 challenge = {"WWW-Authenticate": 'Basic realm="dramatiq-gp"'} if self.credentials.user else {}
                 await PlainTextResponse("credentials required", 401, headers=challenge)(scope, receive, send)
                 return
             scope[WHO] = found
         await self.app(scope, receive, send)
+
+    def _failed(self, scope: Scope) -> None:
+        client = scope["client"][0] if scope.get("client") else "unknown"
+        now = time.monotonic()
+        logged_at, count = self._failures.get(client, (now - FAILED_LOGIN_LOG_S, 0))
+        count += 1
+        if now - logged_at >= FAILED_LOGIN_LOG_S:
+            logger.warning("dashboard: %d failed login(s) from %s in the last %ds", count, client,
+                           FAILED_LOGIN_LOG_S)  # fmt: skip
+            logged_at, count = now, 0
+        self._failures[client] = (logged_at, count)
+        if len(self._failures) > 10_000:  # many clients: forget the quiet ones rather than grow for ever
+            self._failures = {c: v for c, v in self._failures.items() if now - v[0] < FAILED_LOGIN_LOG_S}
+
+
+class AllowedHosts:
+    """ASGI middleware: a request whose ``Host`` is not one of ``hosts`` gets 400.
+
+    Starlette's ``TrustedHostMiddleware`` cuts the port off at the first colon,
+    which leaves ``[`` of an IPv6 address such as ``[::1]:8642``; this one reads
+    the brackets. ``*`` allows any host; ``*.example.com`` any subdomain.
+    """
+
+    def __init__(self, app: ASGIApp, hosts: Sequence[str]) -> None:
+        self.app = app
+        self.hosts = [_bare_host(h) for h in hosts]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or "*" in self.hosts:
+            await self.app(scope, receive, send)
+            return
+        host = _bare_host(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
+        if not any(host == h or (h.startswith("*.") and host.endswith(h[1:])) for h in self.hosts):
+            await PlainTextResponse("this Host is not allowed (DASHBOARD_ALLOWED_HOSTS)", 400)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _bare_host(host: str) -> str:
+    """``host`` without its port and IPv6 brackets, lower-cased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:
+        return host.partition(":")[0]
+    return host
+
+
+#: On every response: no framing (clickjacking), no caching of pages that show queues and payloads, no
+#: sniffing a text response into a script, no dashboard URL sent to another site.
+SECURITY_HEADERS = [
+    (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", b"frame-ancestors 'none'"),
+    (b"cache-control", b"no-store"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+]
+
+
+class SecurityHeaders:
+    """ASGI middleware: adds :data:`SECURITY_HEADERS` to every response (an existing one of a name is replaced)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        names = {name for name, _ in SECURITY_HEADERS}
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in names]
+                message = {**message, "headers": kept + SECURITY_HEADERS}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def who(request: Request) -> str:
@@ -117,9 +224,16 @@ def who(request: Request) -> str:
     return f"{name} (dashboard, {client})"
 
 
+def _csrf_cookie(request: Request) -> tuple[str, str, bool]:
+    """The CSRF cookie's name, path and whether it is ``Secure``: ``__Host-`` over TLS at the root."""
+    path = request.scope.get("root_path") or "/"
+    secure = request.url.scheme == "https"
+    return (SECURE_CSRF_COOKIE if secure and path == "/" else CSRF_COOKIE), path, secure
+
+
 def csrf_token(request: Request) -> str:
     """The request's CSRF token: its cookie's, or a new one that :func:`keep_csrf` sets."""
-    token = request.cookies.get(CSRF_COOKIE)
+    token = request.cookies.get(_csrf_cookie(request)[0])
     if not token:
         token = request.state.new_csrf = secrets.token_urlsafe(32)
     return token
@@ -128,13 +242,13 @@ def csrf_token(request: Request) -> str:
 def keep_csrf(request: Request, response: Response) -> Response:
     new = getattr(request.state, "new_csrf", None)
     if new:
-        path = request.scope.get("root_path") or "/"
-        response.set_cookie(CSRF_COOKIE, new, path=path, httponly=True, samesite="strict")
+        name, path, secure = _csrf_cookie(request)
+        response.set_cookie(name, new, path=path, httponly=True, samesite="strict", secure=secure)
     return response
 
 
 def csrf_ok(request: Request, submitted: object) -> bool:
-    cookie = request.cookies.get(CSRF_COOKIE)
+    cookie = request.cookies.get(_csrf_cookie(request)[0])
     if not cookie or not isinstance(submitted, str):
         return False
     return hmac.compare_digest(cookie.encode(), submitted.encode())

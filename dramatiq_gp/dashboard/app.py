@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
@@ -26,8 +27,18 @@ from starlette.templating import Jinja2Templates
 
 from .. import actions
 from ..durations import format_duration
-from ..settings import Settings
-from .access import CSRF_FIELD, Credentials, RequireCredentials, csrf_ok, csrf_token, keep_csrf, who
+from ..settings import QUEUE_NAME, Settings
+from .access import (
+    CSRF_FIELD,
+    AllowedHosts,
+    Credentials,
+    RequireCredentials,
+    SecurityHeaders,
+    csrf_ok,
+    csrf_token,
+    keep_csrf,
+    who,
+)
 from .reader import PAGE, Reader
 
 HERE = Path(__file__).parent
@@ -100,7 +111,7 @@ class _Dashboard:
         return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=queues)
 
     def dead_letters(self, request: Request) -> Response:
-        queue = request.path_params["queue"]
+        queue = _queue(request)
         if self.reader.on_rabbitmq:
             return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=[])
         try:
@@ -112,7 +123,7 @@ class _Dashboard:
                            letters=letters, offset=offset, size=PAGE, pii=self.reader.pii)  # fmt: skip
 
     def dead_letter(self, request: Request) -> Response:
-        queue, id = request.path_params["queue"], request.path_params["id"]
+        queue, id = _queue(request), request.path_params["id"]
         letter = None if self.reader.on_rabbitmq else self.reader.dead_letter(queue, id)
         if letter is None:
             return PlainTextResponse(f"no dead letter {id} in queue {queue}", 404)
@@ -136,7 +147,7 @@ class _Dashboard:
         if form.get("confirmed") != "yes":
             fields = [(k, v) for k, v in form.multi_items() if k not in (CSRF_FIELD, "confirmed")]
             return self.render(request, "confirm.html", page=None, title=title, consequence=consequence,
-                               fields=fields, action=str(request.url), back=back)  # fmt: skip
+                               fields=fields, action=request.url.path, back=back)  # fmt: skip
         outcome = await run_in_threadpool(perform, form, who(request))
         response = RedirectResponse(back, 303)
         response.set_cookie(FLASH_COOKIE, quote(outcome), path=request.scope.get("root_path") or "/",
@@ -144,7 +155,7 @@ class _Dashboard:
         return response
 
     async def requeue(self, request: Request) -> Response:
-        queue = request.path_params["queue"]
+        queue = _queue(request)
         form = await request.form()
         ids = None if form.get("all") == "yes" else [str(i) for i in form.getlist("id")]
         if ids == []:
@@ -157,13 +168,13 @@ class _Dashboard:
             return f"{moved} dead letter(s) of queue {queue} requeued"
 
         return await self.act(
-            request, title=f"Requeue {what}?", perform=perform, back=str(request.url_for("dead_letters", queue=queue)),
+            request, title=f"Requeue {what}?", perform=perform, back=request.url_for("dead_letters", queue=queue).path,
             consequence="Each goes back to the end of its queue with its message id, so a copy that already "
             "completed is still skipped. It keeps its retry count.",
         )  # fmt: skip
 
     async def purge(self, request: Request) -> Response:
-        queue = request.path_params["queue"]
+        queue = _queue(request)
 
         def perform(form: FormData, by: str) -> str:
             purged = actions.purge_dead_letters(self.reader.client, self.reader.namespace, queue, who=by)
@@ -171,7 +182,7 @@ class _Dashboard:
 
         return await self.act(
             request, title=f"Purge every dead letter of queue {queue}?", perform=perform,
-            consequence="They are deleted for good.", back=str(request.url_for("dead_letters", queue=queue)),
+            consequence="They are deleted for good.", back=request.url_for("dead_letters", queue=queue).path,
         )  # fmt: skip
 
     async def replay(self, request: Request) -> Response:
@@ -189,7 +200,7 @@ class _Dashboard:
             return f"event {event_id} pending again"
 
         return await self.act(
-            request, title=f"Replay event {event_id}?", perform=perform, back=str(request.url_for("outbox")),
+            request, title=f"Replay event {event_id}?", perform=perform, back=request.url_for("outbox").path,
             consequence="It becomes pending again and the relays send it, with its attempts reset.",
         )  # fmt: skip
 
@@ -212,8 +223,16 @@ class _Dashboard:
             return f"entry {entry} {verb}"
 
         title = f"{'Pause' if pause else 'Resume'} {entry}?"
-        back = str(request.url_for("scheduler"))
+        back = request.url_for("scheduler").path
         return await self.act(request, title=title, perform=perform, back=back, consequence=consequence)
+
+
+def _queue(request: Request) -> str:
+    """The queue named in the path; 400 for anything that is not a queue name (a newline, say)."""
+    queue: str = request.path_params["queue"]
+    if not QUEUE_NAME.fullmatch(queue):
+        raise HTTPException(400, f"{queue!r} is not a queue name (letters, digits, '.', '_', '-')")
+    return queue
 
 
 def create_app(
@@ -223,6 +242,7 @@ def create_app(
     credentials: Credentials | None = None,
     client: redis.Redis | None = None,
     engine: Any = None,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> Starlette:
     """The dashboard as an ASGI application, to serve (``dramatiq-gp dashboard``) or mount in your own.
 
@@ -236,6 +256,9 @@ def create_app(
         engine: the outbox's SQLAlchemy engine; default one from ``DB_*`` when set.
             Those built here are closed when the application's lifespan ends (a
             mounted application's lifespan does not run: pass your own to close them).
+        allowed_hosts: the ``Host`` names it answers (400 for others); default
+            ``DASHBOARD_ALLOWED_HOSTS``, and when that is unset, any (mounted, the
+            application decides; ``dramatiq-gp dashboard`` passes its address and localhost).
     """
     settings = settings if settings is not None else Settings.from_env()
     if credentials is None:
@@ -295,9 +318,14 @@ def create_app(
         for close in owned:
             close()
 
+    if allowed_hosts is None:
+        allowed_hosts = settings.dashboard.hosts()
+    middleware = [Middleware(SecurityHeaders), Middleware(RequireCredentials, credentials=credentials)]
+    if allowed_hosts is not None:
+        middleware.insert(1, Middleware(AllowedHosts, hosts=allowed_hosts))
     return Starlette(
         routes=routes,
-        middleware=[Middleware(RequireCredentials, credentials=credentials)],
+        middleware=middleware,
         exception_handlers=errors,
         lifespan=lifespan,
     )
