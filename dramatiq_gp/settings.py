@@ -70,14 +70,28 @@ def _existing_file(path: str | None) -> str | None:
     return path
 
 
+#: Query parameters that carry a secret (``?password=``, libpq's ``sslpassword``, ``?token=``...): shown as ``***``.
+SECRET_QUERY = re.compile(r"pass|pwd|secret|token|key|auth|credential", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    """``redis://user:secret@host/0`` -> ``redis://user:***@host/0``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    """``redis://user:secret@host/0?password=x`` -> ``redis://user:***@host/0?password=***``.
+
+    The password in the address and every query parameter whose name says it is
+    a secret (:data:`SECRET_QUERY`): libpq and redis-py both read one from the query.
+    """
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not even a URL (a bad port, a stray bracket): show none of it
+        return "***"
+    if password is not None:
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}")
+    if parts.query:
+        pairs = (pair.partition("=") for pair in parts.query.split("&"))
+        query = "&".join(f"{k}{eq}{'***' if eq and SECRET_QUERY.search(k) else v}" for k, eq, v in pairs)
+        parts = parts._replace(query=query)
+    return urlunsplit(parts)
 
 
 class WorkerSettings(BaseSettings):

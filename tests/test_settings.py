@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 
 import dramatiq_gp as gp
 from dramatiq_gp.durations import format_duration, parse_duration
+from dramatiq_gp.settings import redact_url
 from helpers import messages_of, wait_for
 from servers import OwnPostgres
 
@@ -371,3 +373,43 @@ def test_an_idle_relay_polls_first_after_outbox_poll_interval_min_then_backs_off
     after = gaps(busy, 3)
     assert after[0] < 0.1, after
     assert 0.2 <= after[1] <= 0.45 and 0.4 <= after[2] <= 0.65, after
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://bob:hunter2@cache/0", "redis://bob:***@cache/0"),
+        ("redis://cache/0?password=hunter2", "redis://cache/0?password=***"),
+        ("postgresql://u@h/db?sslmode=require&password=hunter2&sslpassword=hunter2",
+         "postgresql://u@h/db?sslmode=require&password=***&sslpassword=***"),
+        ("amqp://h/%2F?heartbeat=30&auth_token=hunter2", "amqp://h/%2F?heartbeat=30&auth_token=***"),
+        ("redis://cache/0?PASSWD=hunter2&api_key=hunter2&db=1", "redis://cache/0?PASSWD=***&api_key=***&db=1"),
+        ("redis://[::1/0?password=hunter2", "***"),  # not a URL at all: none of it shows
+    ],
+    ids=["userinfo", "query-password", "libpq-query", "token", "mixed-case-and-key", "unparseable"],
+)  # fmt: skip
+def test_redact_url_hides_the_password_in_the_address_and_in_the_query(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_a_password_in_the_query_of_a_url_never_shows_where_the_url_is_printed(clean_env, password_postgres, caplog):
+    # The CLI's errors, the dashboard command's, its banner and the worker's start-up line print the address.
+    clean_env.setenv("REDIS_URL", "redis://127.0.0.1:1/0?password=hunter2")
+    for command in (["status"], ["dashboard", "--port", "0"], ["dlq", "list", "default"]):
+        done = _cli(*command)
+        assert done.returncode != 0 and "hunter2" not in done.stdout + done.stderr, (command, done.stderr)
+        assert "redis://127.0.0.1:1/0?password=***" in done.stderr, (command, done.stderr)
+    with pytest.raises(SystemExit), caplog.at_level(logging.ERROR):
+        gp.Kit(registry=gp.Registry()).broker.emit_after("process_boot")
+    assert "Redis/Valkey unreachable at redis://127.0.0.1:1/0?password=***" in caplog.text
+    assert "hunter2" not in caplog.text
+    clean_env.delenv("REDIS_URL")
+    url = f"postgresql+psycopg://shop@127.0.0.1:{password_postgres.port}/shop"
+    clean_env.setenv("DB_URL", f"{url}?password={urllib.parse.quote(DB_PASSWORD, safe='')}")
+    migrated = _cli("migrate", "up")
+    assert migrated.returncode == 0, migrated.stderr
+    assert f"is up to date in {url}?password=***" in migrated.stdout and DB_PASSWORD not in migrated.stdout
+    clean_env.setenv("DB_URL", f"{url}?password=hunter2")
+    refused = _cli("migrate", "status")
+    assert refused.returncode == 1 and "hunter2" not in refused.stderr
+    assert f"database error at {url}?password=***" in refused.stderr
