@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import threading
 import time
 import uuid
@@ -179,6 +180,47 @@ def test_a_poison_row_is_set_aside_without_holding_back_the_rest(outbox_kit, eng
     with engine.begin() as conn:
         assert gp.outbox.retry_failed(conn, [failed[0].id]) == 1
     assert {row.failed_at is None for row in _rows(engine) if row.id == failed[0].id} == {True}
+
+
+DEEP = "[" * 3000 + "]" * 3000  # read by json.loads, it raises RecursionError
+
+
+@pytest.mark.parametrize(
+    ("payload", "trace_context", "reason"),
+    [
+        (f'{{"invoice": 1, "x": {DEEP}}}', None, "its payload cannot be read as JSON (RecursionError)"),
+        ('{"invoice": 1}', f'{{"a": {DEEP}}}', "its trace_context cannot be read as JSON (RecursionError)"),
+        ("[1, 2]", None, "its payload is a JSON list, not an object"),
+        ('"paid"', None, "its payload is a JSON str, not an object"),
+        ("null", None, "its payload is a JSON NoneType, not an object"),
+        ('{"invoice": 1}', "[1]", "its trace_context is a JSON list, not an object"),
+    ],
+    ids=["deep-payload", "deep-trace-context", "list", "string", "json-null", "trace-context-list"],
+)
+def test_a_row_that_can_never_be_sent_is_set_aside_at_once_alone_and_the_batch_goes_on(
+    outbox_kit, engine, rdb, namespace, caplog, payload, trace_context, reason
+):
+    # A row nested ~3,000 deep once failed the whole batch as the driver decoded it: never set aside, a
+    # traceback every 5 s, and no event moved.
+    kit = outbox_kit()
+    bad = uuid.uuid4()
+    with engine.begin() as conn:
+        good = [gp.dispatch(conn, Paid(n)) for n in range(2)]
+        conn.execute(
+            sa.text("INSERT INTO outbox_events (id, event, payload, trace_context) "
+                    "VALUES (:id, 'test.outbox.paid', CAST(:payload AS jsonb), CAST(:trace AS jsonb))"),
+            {"id": bad, "payload": payload, "trace": trace_context},
+        )  # fmt: skip
+        good += [gp.dispatch(conn, Paid(n)) for n in range(2, 4)]
+    with caplog.at_level(logging.ERROR):
+        assert kit.relay.relay_once() == 5
+    assert sorted(m["message_id"] for m in _queued(rdb, namespace)) == sorted(good)
+    with engine.connect() as conn:  # not the payload: the driver could not decode it either
+        (row,) = conn.execute(sa.select(T.id, T.failed_at, T.last_error).where(T.published_at.is_(None))).all()
+    assert row.id == bad and row.failed_at is not None and row.last_error == reason  # at once: no retry in vain
+    assert f"outbox event {bad} (test.outbox.paid) set aside: {reason}" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert kit.relay.relay_once() == 0
 
 
 def test_one_notify_per_transaction_and_none_when_switched_off(outbox_kit, engine, database_url):

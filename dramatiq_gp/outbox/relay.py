@@ -19,7 +19,10 @@ A crash between 2 and 3 leaves the rows pending: another relay enqueues them
 again under the same ids, and idempotent execution turns the copies into no-ops.
 A row whose event this process cannot read (an unknown event type, a payload that
 no longer matches its class) is retried with backoff, then set aside, without
-holding back the rows behind it.
+holding back the rows behind it. A row that can never become a message (JSON
+nested too deep to read or write, a payload that is not an object, a trace
+context that is not one) is set aside at once, with the reason, alone: the
+relay reads each row's JSON itself, so one such row cannot fail its batch.
 
 Between rounds the relay waits for a NOTIFY (sent by ``dispatch`` at commit) or
 its poll interval, which backs off from ``OUTBOX_POLL_INTERVAL_MIN`` to ``_MAX``
@@ -29,6 +32,7 @@ backs off and carries on when they return.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -78,6 +82,20 @@ _OUTAGE = (
 
 class PoisonEvent(GPError):
     """A row this process cannot turn into a message."""
+
+
+def _json(text: str | None, column: str) -> Any:
+    """The value of a JSON column read as text; :class:`UnreadableRow` naming the column when it cannot be read."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise UnreadableRow(f"its {column} cannot be read as JSON ({type(exc).__name__})") from None
+
+
+class UnreadableRow(PoisonEvent):
+    """A row no process can turn into a message: retrying it would not help."""
 
 
 class Relay:
@@ -136,8 +154,15 @@ class Relay:
         batch = self.settings.batch_size
         with self.engine.begin() as conn:
             now = sa.func.statement_timestamp() if self._postgres else _utcnow()
+            # The JSON is read here, row by row: decoded by the driver, one row nested too deep failed the batch.
             rows = conn.execute(
-                sa.select(T.id, T.event, T.payload, T.trace_context, T.attempts)
+                sa.select(
+                    T.id,
+                    T.event,
+                    sa.cast(T.payload, sa.Text).label("payload"),
+                    sa.cast(T.trace_context, sa.Text).label("trace_context"),
+                    T.attempts,
+                )
                 .where(T.published_at.is_(None), T.failed_at.is_(None), T.available_at <= now)
                 .order_by(T.available_at)
                 .limit(batch)
@@ -151,7 +176,7 @@ class Relay:
                     messages.append(self._message(row))
                     published.append(row.id)
                 except PoisonEvent as exc:
-                    poisoned.append((row, str(exc)))
+                    poisoned.append((row, exc))
             if messages:
                 self.broker.enqueue_many(messages)
                 done = self._among(published)
@@ -160,7 +185,7 @@ class Relay:
                 else:
                     conn.execute(sa.delete(OUTBOX_EVENTS).where(done))
             for row, error in poisoned:
-                self._set_back(conn, row, error, now)
+                self._set_back(conn, row, str(error), now, at_once=isinstance(error, UnreadableRow))
         if published:
             self._published.add(len(published))
         return len(rows)
@@ -192,24 +217,34 @@ class Relay:
         return prune(self.engine, self.inbox_retention)
 
     def _message(self, row: Any) -> Message[Any]:
+        payload, trace_context = _json(row.payload, "payload"), _json(row.trace_context, "trace_context")
+        if not isinstance(payload, dict):
+            raise UnreadableRow(f"its payload is a JSON {type(payload).__name__}, not an object")
+        if trace_context is not None and not isinstance(trace_context, dict):
+            raise UnreadableRow(f"its trace_context is a JSON {type(trace_context).__name__}, not an object")
         kind = event_type_named(row.event)
         if kind is None:
             raise PoisonEvent(f"event type {row.event!r} is unknown here (no class declares it)")
         try:
-            kind.decode(row.payload)
+            kind.decode(payload)
         except PayloadMismatch as exc:
             raise PoisonEvent(str(exc)) from None
         event_id = str(row.id)
-        envelope: dict[str, Any] = {"id": event_id, "event": row.event, "data": row.payload}
-        return Message(
+        envelope: dict[str, Any] = {"id": event_id, "event": row.event, "data": payload}
+        message: Message[Any] = Message(
             queue_name=EVENT_QUEUE,
             actor_name=event_actor(row.event),
             args=(envelope,),
             kwargs={},
             # The dispatching code's context is the message's creation context.
-            options={ORIGIN: row.trace_context} if row.trace_context else {},
+            options={ORIGIN: trace_context} if trace_context else {},
             message_id=event_id,
         )
+        try:
+            message.encode()  # what the broker will do: a row it cannot encode must not fail the batch there
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise UnreadableRow(f"it cannot be encoded as a message ({type(exc).__name__})") from None
+        return message
 
     def backlog(self) -> tuple[int, float]:
         """Pending rows, and seconds since the oldest of them was written."""
@@ -240,15 +275,22 @@ class Relay:
             self._backlog = (time.monotonic(), count, age)
         return count, age
 
-    def _set_back(self, conn: sa.Connection, row: Any, error: str, now: Any) -> None:
+    def _set_back(self, conn: sa.Connection, row: Any, error: str, now: Any, *, at_once: bool = False) -> None:
         attempts = row.attempts + 1
-        if attempts >= self.settings.max_attempts:
+        if at_once:
+            self.logger.error(
+                "outbox event %s (%s) set aside: %s; `dramatiq-gp outbox retry %s` re-queues it once fixed",
+                row.id, row.event, error, row.id,
+            )  # fmt: skip
+            values: dict[str, Any] = {"failed_at": now}
+            instruments().outbox_set_aside.add(1, {"event": row.event})
+        elif attempts >= self.settings.max_attempts:
             self.logger.error(
                 "outbox event %s (%s) set aside after %d attempts: %s; "
                 "`dramatiq-gp outbox retry %s` re-queues it",
                 row.id, row.event, attempts, error, row.id,
             )  # fmt: skip
-            values: dict[str, Any] = {"failed_at": now}
+            values = {"failed_at": now}
             instruments().outbox_set_aside.add(1, {"event": row.event})
         else:
             delay = timedelta(seconds=min(2**attempts, 300))
