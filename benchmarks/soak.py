@@ -165,6 +165,8 @@ class Soak:
     web_version: int = 0
     live_from: dict[str, float] = field(default_factory=dict)
     gone_at: dict[str, float] = field(default_factory=dict)
+    #: (when, what) of every fault and deploy, to tell why a delivery was missed.
+    timeline: list[tuple[float, str]] = field(default_factory=list)
     handovers_ms: list[float] = field(default_factory=list)
     stops_s: list[float] = field(default_factory=list)
     poison: int = 0
@@ -245,10 +247,12 @@ class Soak:
                 self._inject(kind)
                 self.faults[kind] += 1
                 print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
+                self.timeline.append((time.time(), kind))
                 next_node_kill += node_kill_gap  # on the clock: a node takes a while to start again
             elif time.monotonic() >= next_deploy:
                 self._deploy()
                 print(f"[{time.monotonic() - started:6.0f}s] deployed version {self.web_version}", flush=True)
+                self.timeline.append((time.time(), f"deployed version {self.web_version}"))
                 next_deploy += DEPLOY_GAP_S
             elif time.monotonic() >= next_fault:
                 kind = kinds[rotation % len(kinds)]
@@ -256,11 +260,13 @@ class Soak:
                 self._inject(kind)
                 self.faults[kind] += 1
                 print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
+                self.timeline.append((time.time(), kind))
                 next_fault = time.monotonic() + fault_gap
             elif time.monotonic() >= next_commit_kill:
                 killed = self._kill_after_commit()
                 self.faults["kill_after_commit"] += 1
                 print(f"[{time.monotonic() - started:6.0f}s] fault kill_after_commit: {killed}", flush=True)
+                self.timeline.append((time.time(), "kill_after_commit"))
                 next_commit_kill = time.monotonic() + commit_kill_gap
             time.sleep(0.2)
         self.stop_load.set()
@@ -347,10 +353,19 @@ class Soak:
         for listener, order_id, _runs in rows:
             delivered.setdefault(listener, set()).add(order_id)
         missed: dict[str, int] = {}
+        detail = []
         for name, live_from in self.live_from.items():
-            until = self.gone_at.get(name, float("inf")) - GONE_MARGIN_S
-            owed = {order for order, at in self.committed_at.items() if live_from <= at < until}
-            missed[name] = len(owed - delivered.get(name, set()))
+            gone = self.gone_at.get(name, float("inf"))
+            owed = {order for order, at in self.committed_at.items() if live_from <= at < gone - GONE_MARGIN_S}
+            missing = sorted(owed - delivered.get(name, set()))
+            missed[name] = len(missing)
+            for order in missing[:5]:
+                at = self.committed_at[order]
+                detail.append({
+                    "listener": name, "order": order, "s_after_live": round(at - live_from, 1),
+                    "s_before_gone": round(gone - at, 1) if gone != float("inf") else None,
+                    "between": [what for when, what in self.timeline if at - 5 <= when <= min(gone, at + 120)],
+                })  # fmt: skip
         return {
             "deploys": self.faults["deploy"],
             "versions": self.web_version,
@@ -359,6 +374,7 @@ class Soak:
             "stop_s_max": round(max(self.stops_s), 2) if self.stops_s else None,
             "listener_deliveries_missed": sum(missed.values()),
             "listener_deliveries_missed_by_listener": missed,
+            "listener_deliveries_missed_detail": detail,
             "listener_deliveries": len(rows),
             "listener_duplicate_effects": sum(runs - 1 for _, _, runs in rows),
         }
