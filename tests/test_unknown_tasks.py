@@ -158,8 +158,22 @@ def _raw(actor_name: str, **fields: object) -> bytes:
         _raw("listener:test.unknown.known:gone"),
         _raw("noop", options={"redis_message_id": "garbage-id"}, message_id=7),
         _raw("noop", options=["redis_message_id"]),
+        _raw("noop", options={"redis_message_id": "garbage-id", "retries": "abc"}),
+        _raw("noop", options={"redis_message_id": "garbage-id", "time_limit": "abc"}),
+        _raw("noop", options={"redis_message_id": "garbage-id", "max_retries": True}),
     ],
-    ids=["bytes", "missing-fields", "wrong-shape", "no-redis-id", "unknown-type-no-redis-id", "int-id", "options-list"],
+    ids=[
+        "bytes",
+        "missing-fields",
+        "wrong-shape",
+        "no-redis-id",
+        "unknown-type-no-redis-id",
+        "int-id",
+        "options-list",
+        "retries-string",
+        "time-limit-string",
+        "max-retries-bool",
+    ],
 )
 def test_a_message_that_cannot_be_decoded_or_is_malformed_is_dead_lettered_and_stalls_nothing(
     make_kit, start_worker, rdb, namespace, redis_url, caplog, garbage

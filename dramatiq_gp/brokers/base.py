@@ -92,11 +92,17 @@ def decode_cause(error: DecodeError) -> str:
     return type(cause).__name__
 
 
+#: The options Dramatiq and the kit read as numbers. Of another type, a failing message with
+#: ``retries: "abc"`` was acked as done, and ``time_limit: "abc"`` silently dropped its limit.
+NUMERIC_OPTIONS = frozenset(("retries", "max_retries", "min_backoff", "max_backoff", "time_limit", "max_age", "eta"))
+
+
 def malformed(message: Message[Any]) -> str:
     """What makes a decoded message unusable, or "" when nothing does.
 
     Dramatiq's decoder checks only that the fields are there; an id that is not a
-    string breaks every key built from it, arguments that are not a dict every call.
+    string breaks every key built from it, arguments that are not a dict every call,
+    an option of :data:`NUMERIC_OPTIONS` that is not a number the retries and limits.
     It takes the message before its proxy wraps it: read through the proxy's
     ``__getattr__``, the six fields cost five times as much.
     """
@@ -104,6 +110,10 @@ def malformed(message: Message[Any]) -> str:
                         ("options", dict), ("message_timestamp", int)):  # fmt: skip
         if not isinstance(getattr(message, field), kind):
             return f"its {field} is not a {kind.__name__}"
+    for name in NUMERIC_OPTIONS.intersection(message.options):
+        value = message.options[name]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"its option {name} is a {type(value).__name__}, not a number"
     return ""
 
 
