@@ -74,6 +74,16 @@ def _existing_file(path: str | None) -> str | None:
 SECRET_QUERY = re.compile(r"pass|pwd|secret|token|key|auth|credential", re.IGNORECASE)
 
 
+def _readable_url(variable: str, url: str) -> Any:
+    """``url`` split, with its port read; a ValueError naming ``variable`` (never the password) if it cannot be."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- reading it checks it
+    except ValueError as exc:
+        raise ValueError(f"{variable}={redact_url(url)!r} cannot be read: {exc}") from None
+    return parts
+
+
 def redact_url(url: str) -> str:
     """``redis://user:secret@host/0?password=x`` -> ``redis://user:***@host/0?password=***``.
 
@@ -85,13 +95,15 @@ def redact_url(url: str) -> str:
         password = parts.password
     except ValueError:  # not even a URL (a bad port, a stray bracket): show none of it
         return "***"
+    redacted = parts
     if password is not None:
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}")
+        redacted = redacted._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}")
     if parts.query:
         pairs = (pair.partition("=") for pair in parts.query.split("&"))
         query = "&".join(f"{k}{eq}{'***' if eq and SECRET_QUERY.search(k) else v}" for k, eq, v in pairs)
-        parts = parts._replace(query=query)
-    return urlunsplit(parts)
+        redacted = redacted._replace(query=query)
+    # Rebuilt only when something was hidden: urlunsplit writes unix:///x.sock as unix:/x.sock.
+    return url if redacted == parts else urlunsplit(redacted)
 
 
 class WorkerSettings(BaseSettings):
@@ -158,12 +170,18 @@ class QueueSettings(BaseSettings):
         if self.url is not None:
             if "addr" in self.model_fields_set:
                 raise ValueError("set either REDIS_URL or VALKEY_ADDR, not both")
-            scheme = urlsplit(self.url.get_secret_value()).scheme
+            url = self.url.get_secret_value()
+            scheme = _readable_url("REDIS_URL", url).scheme
             if scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
                 raise ValueError(
-                    f"REDIS_URL={redact_url(self.url.get_secret_value())!r} has scheme {scheme!r}; "
-                    "expected redis://, rediss://, unix:// or valkey://"
+                    f"REDIS_URL={redact_url(url)!r} has scheme {scheme!r}; expected redis://, rediss://, unix:// or valkey://"
                 )
+            import redis.connection
+
+            try:  # what redis-py will make of it: a port, a db, the options it takes
+                redis.connection.parse_url(url.replace("valkey", "redis", 1) if scheme.startswith("valkey") else url)  # type: ignore[no-untyped-call]
+            except ValueError as exc:
+                raise ValueError(f"REDIS_URL={redact_url(url)!r} cannot be read: {exc}") from None
         else:
             host, sep, port = self.addr.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -227,7 +245,7 @@ class BrokerSettings(BaseSettings):
     @model_validator(mode="after")
     def _amqp(self) -> BrokerSettings:
         for url in self.urls():
-            scheme = urlsplit(url).scheme
+            scheme = _readable_url("BROKER_URL", url).scheme
             if scheme not in ("amqp", "amqps"):
                 raise ValueError(
                     f"BROKER_URL={redact_url(url)!r} has scheme {scheme!r}; expected amqp:// or amqps:// "
@@ -270,6 +288,18 @@ class DatabaseSettings(BaseSettings):
         if self.url is None and self.host is None and parts:
             # Without a host there is no database, and the parts would be ignored without a word.
             raise ValueError(f"{', '.join(parts)} set without DB_HOST: give DB_HOST (or DB_URL) too")
+        if self.url is not None:
+            import sqlalchemy.exc
+            from sqlalchemy.engine import make_url
+
+            url = self.url.get_secret_value()
+            try:  # what SQLAlchemy will make of it (imported only when DB_URL is set)
+                make_url(url)
+            except (ValueError, sqlalchemy.exc.ArgumentError) as exc:
+                raise ValueError(
+                    f"DB_URL={redact_url(url)!r} cannot be read: {exc} "
+                    "(%-escape a password's special characters: @ is %40, / is %2F)"
+                ) from None
         return self
 
     @property

@@ -413,3 +413,27 @@ def test_a_password_in_the_query_of_a_url_never_shows_where_the_url_is_printed(c
     refused = _cli("migrate", "status")
     assert refused.returncode == 1 and "hunter2" not in refused.stderr
     assert f"database error at {url}?password=***" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "url", "error"),
+    [
+        ("REDIS_URL", "redis://u:hunter2@cache:abc/0", "REDIS_URL='redis://u:***@cache:abc/0' cannot be read: Port"),
+        ("REDIS_URL", "redis://cache:99999/0", "REDIS_URL='redis://cache:99999/0' cannot be read: Port out of range"),
+        ("REDIS_URL", "redis://[::1/0?password=hunter2", "REDIS_URL='***' cannot be read: Invalid IPv6 URL"),
+        ("REDIS_URL", "unix:///tmp/r.sock?db=x", "REDIS_URL='unix:///tmp/r.sock?db=x' cannot be read: Invalid value"),
+        ("BROKER_URL", "amqp://g:hunter2@rabbit:abc/", "BROKER_URL='amqp://g:***@rabbit:abc/' cannot be read: Port"),
+        ("DB_URL", "postgresql://u:hunter2@db:x/shop", "DB_URL='postgresql://u:***@db:x/shop' cannot be read:"),
+        ("DB_URL", "not a url", "DB_URL='not a url' cannot be read: Could not parse"),
+    ],
+    ids=["redis-port", "redis-port-range", "redis-ipv6", "redis-db", "amqp-port", "db-port", "db-garbage"],
+)
+def test_a_malformed_url_is_one_configuration_error_naming_the_variable_never_the_password(env, variable, url, error):
+    # These gave a 40-line traceback from the library that first read them, at start-up or in the CLI.
+    env.setenv(variable, url)
+    with pytest.raises(gp.ConfigError) as raised:
+        gp.Settings.from_env()
+    assert error in str(raised.value) and "hunter2" not in str(raised.value)
+    assert len(str(raised.value).splitlines()) == 1
+    done = _cli("status")
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1 and error in done.stderr, done.stderr
