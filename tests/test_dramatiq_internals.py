@@ -679,6 +679,29 @@ def test_worker_thread_logs_the_lines_the_kit_filters_and_rewrites(connect, name
     ]
 
 
+def test_retries_logs_its_retry_and_exhaustion_lines_on_its_own_logger(connect, namespace, caplog, monkeypatch):
+    # TaskLog filters these two lines by their text on this logger: its `task failed` says the same.
+    monkeypatch.setattr(logging.getLogger("dramatiq.middleware.retries.Retries"), "filters", [])  # a TaskLog's
+    broker = connect(namespace, middleware=[Retries(min_backoff=10, max_backoff=10)])
+    broker.declare_queue(Q)
+
+    @dramatiq.actor(broker=broker, queue_name=Q, max_retries=1)
+    def fails() -> None:
+        raise RuntimeError("boom")
+
+    fails.send()
+    worker = Worker(broker, worker_threads=1, worker_timeout=100)
+    with caplog.at_level(logging.INFO, logger="dramatiq.middleware.retries.Retries"):
+        worker.start()
+        try:
+            wait_for(lambda: any(r.msg == "Retries exceeded for message %r." for r in caplog.records), timeout=10)
+        finally:
+            worker.stop(1_000)
+    lines = [(r.name, r.msg) for r in caplog.records if r.name.startswith("dramatiq.middleware.retries")]
+    assert ("dramatiq.middleware.retries.Retries", "Retrying message %r in %d milliseconds.") in lines
+    assert ("dramatiq.middleware.retries.Retries", "Retries exceeded for message %r.") in lines
+
+
 # -- 8. The dramatiq command -------------------------------------------------------------------------------------------
 
 PROBE_APP = """

@@ -269,3 +269,20 @@ def test_a_paused_entry_fires_nothing_until_resumed_and_its_pause_is_not_caught_
     assert unknown.exit_code == 1 and "no schedule entry 'nightly' in scheduler" in unknown.output
     not_paused = CliRunner().invoke(main, ["schedule", "resume", "heartbeat"])
     assert (not_paused.exit_code, not_paused.output) == (1, "Error: schedule entry 'heartbeat' is not paused\n")
+
+
+@pytest.mark.parametrize("asked", [None, logging.INFO], ids=["default", "asked-for-info"])
+def test_apschedulers_info_lines_stay_quiet_unless_its_level_was_set(asked, runner_kit, caplog, monkeypatch):
+    # About seven INFO lines per start ("Adding job tentatively", "Scheduler started"...), in every process.
+    apscheduler = logging.getLogger("apscheduler")
+    monkeypatch.setattr(apscheduler, "level", asked if asked is not None else logging.NOTSET)
+    caplog.set_level(logging.INFO)
+    kit = runner_kit(lambda registry, schedule: schedule.job("quiet", "@every 1s", lambda: None, queue="jobs"))
+    kit.scheduler.start()
+    wait_for(lambda: "leadership acquired" in caplog.text, timeout=10)
+    kit.scheduler.stop()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("apscheduler") and r.levelno < logging.WARNING]
+    if asked is None:
+        assert said == [] and apscheduler.level == logging.WARNING
+    else:
+        assert "Scheduler started" in said and apscheduler.level == logging.INFO

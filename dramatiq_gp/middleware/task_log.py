@@ -34,6 +34,9 @@ class _ReplacedByTaskLog(logging.Filter):
         "Failed to process message %s with unhandled exception.",
         "Failed to process message %s with expected exception %s.",
         "Rate limit exceeded in message %s: %s.",
+        # Dramatiq's Retries (the kit's too): `task failed ... will_retry=` says the same.
+        "Retrying message %r in %d milliseconds.",
+        "Retries exceeded for message %r.",
     })  # fmt: skip
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -49,7 +52,8 @@ class TaskLog(Middleware):
 
     Hooks: ``before_process_message``, ``after_process_message`` (listed before
     :class:`Retries`, it reads its verdict) and ``after_skip_message``; it filters
-    Dramatiq's own per-task lines out of ``dramatiq.worker.WorkerThread``. Works on
+    Dramatiq's own per-task lines out of ``dramatiq.worker.WorkerThread``, and its
+    retry lines out of ``dramatiq.middleware.retries.Retries``. Works on
     any broker.
 
     Parameters:
@@ -60,9 +64,10 @@ class TaskLog(Middleware):
         self.logger = logging.getLogger(logger_name)
         # Every line comes from this module: skip logging's walk up the stack for it.
         self.logger.findCaller = _this_module  # type: ignore[method-assign]
-        worker_logger = logging.getLogger("dramatiq.worker.WorkerThread")
-        if not any(isinstance(f, _ReplacedByTaskLog) for f in worker_logger.filters):
-            worker_logger.addFilter(_ReplacedByTaskLog())
+        for name in ("dramatiq.worker.WorkerThread", "dramatiq.middleware.retries.Retries"):
+            replaced = logging.getLogger(name)
+            if not any(isinstance(f, _ReplacedByTaskLog) for f in replaced.filters):
+                replaced.addFilter(_ReplacedByTaskLog())
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         attempt = message.options.get("retries", 0) + 1

@@ -100,6 +100,19 @@ def _ms(instant: datetime) -> int:
     return round(instant.timestamp() * 1000)
 
 
+def quiet_apscheduler() -> None:
+    """APScheduler's INFO lines at WARNING, unless its level was set: about seven per start in every process.
+
+    "Adding job tentatively", "Scheduler started", "Paused/Resumed scheduler job processing"
+    say nothing the kit's own lines (``schedule runner: ...``) do not, and every worker
+    process, leader or not, starts a timer. ``logging.getLogger("apscheduler").setLevel(...)``
+    before the Kit is built keeps the level you chose.
+    """
+    apscheduler = logging.getLogger("apscheduler")
+    if apscheduler.level == logging.NOTSET:
+        apscheduler.setLevel(logging.WARNING)
+
+
 class Runner:
     """Contends for the lease and, while leading, fires the schedule.
 
@@ -144,6 +157,7 @@ class Runner:
             job_defaults={"misfire_grace_time": None, "coalesce": False, "max_instances": 1},
         )
         self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
+        quiet_apscheduler()
         self._declare_actors()
         self._namespace = namespace
         observe("dramatiq_gp.scheduler.leader", "1", "1 in the process that holds the scheduler lease, else 0",
