@@ -109,8 +109,24 @@ class NoPayloads(logging.Filter):
         return True
 
 
+#: The most of an exception's text one log line carries (a task's ``error=`` field), and of a traceback.
+MAX_ERROR_CHARS, MAX_TRACEBACK_CHARS = 2_000, 20_000
+
+
+def capped(text: str, limit: int) -> str:
+    """``text``, or its head and tail around a note of how much was cut, when it is longer than ``limit``.
+
+    A 10 MB exception message made two 10 MB log lines; the whole text goes to
+    Sentry, when it is on, which keeps its own limits.
+    """
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} [... {len(text) - 2 * half:,} characters cut ...] {text[-half:]}"
+
+
 class TextFormatter(logging.Formatter):
-    """The dramatiq CLI's line, with the trace ids appended when there are some."""
+    """The dramatiq CLI's line, with the trace ids appended when there are some; a traceback capped."""
 
     def __init__(self) -> None:
         super().__init__(LOG_FORMAT)
@@ -127,6 +143,9 @@ class TextFormatter(logging.Formatter):
             self._second = (second, text)
         return f"{text},{int(record.msecs):03d}"
 
+    def formatException(self, ei: Any) -> str:
+        return capped(super().formatException(ei), MAX_TRACEBACK_CHARS)
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         trace_id = getattr(record, "trace_id", None)
@@ -136,9 +155,15 @@ class TextFormatter(logging.Formatter):
         return f"{head} trace_id={trace_id} span_id={getattr(record, 'span_id', '')}{newline}{tail}"
 
 
+class _CappedJsonFormatter(JsonFormatter):
+    def formatException(self, ei: Any) -> str | list[str]:  # type: ignore[override]
+        text = super().formatException(ei)
+        return capped(text, MAX_TRACEBACK_CHARS) if isinstance(text, str) else text
+
+
 def json_formatter() -> logging.Formatter:
     """One JSON object per line: time, level, logger, message, pid, thread and every ``extra`` field."""
-    return JsonFormatter(
+    return _CappedJsonFormatter(
         "%(asctime)s %(levelname)s %(name)s %(message)s %(process)d %(threadName)s",
         rename_fields={"asctime": "time", "levelname": "level", "name": "logger", "process": "pid",
                        "threadName": "thread", "exc_info": "error.stack"},

@@ -127,3 +127,24 @@ def test_dramatiq_levels_an_expected_exception_at_info_and_a_rate_limit_miss_at_
     # Nothing at ERROR, and Dramatiq's own lines for both (which print the message's arguments) are replaced.
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert not [r for r in caplog.records if r.getMessage().startswith(("Failed to process", "Rate limit exceeded"))]
+
+
+def test_a_huge_exception_message_is_capped_in_the_line_and_its_traceback(make_kit, start_worker, caplog):
+    # A 10 MB exception message once made two 10 MB log lines.
+    from dramatiq_gp.telemetry import MAX_ERROR_CHARS, MAX_TRACEBACK_CHARS, TextFormatter, json_formatter
+
+    def huge(event: Job) -> None:
+        raise RuntimeError("start " + "x" * 10_000_000 + " end")
+
+    caplog.set_level(logging.INFO)
+    kit = make_kit(lambda registry, schedule: registry.listen(Job, huge, name="huge", max_retries=0))
+    start_worker(kit)
+    kit.dispatch(Job(fail=True))
+    wait_for(lambda: [r for r in _records(caplog) if r.levelno == logging.ERROR])
+    (failed,) = [r for r in _records(caplog) if r.levelno == logging.ERROR]
+    assert failed.error.startswith("RuntimeError: start x") and failed.error.endswith("x end")
+    assert "characters cut" in failed.error and len(failed.error) < MAX_ERROR_CHARS + 100
+    for formatter in (TextFormatter(), json_formatter()):
+        line = formatter.format(failed)
+        assert len(line) < 2 * MAX_ERROR_CHARS + MAX_TRACEBACK_CHARS + 1_000, len(line)  # JSON: message and field
+        assert "RuntimeError" in line and "characters cut" in line

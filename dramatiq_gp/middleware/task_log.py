@@ -22,6 +22,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.rate_limits import RateLimitExceeded
 
 from ..errors import PayloadMismatch
+from ..telemetry import MAX_ERROR_CHARS, capped
 from .lifecycle import PUT_BACK_ATTR
 from .retries import expected_failure
 
@@ -115,7 +116,7 @@ class TaskLog(Middleware):
         # Retries has already decided by now (its after-hook runs before ours) and
         # fails the message when the budget is spent.
         fields["will_retry"] = will_retry = not message.failed
-        fields["error"] = error = f"{type(exception).__name__}: {exception}"
+        fields["error"] = error = capped(f"{type(exception).__name__}: {exception}", MAX_ERROR_CHARS)
         if isinstance(exception, Retry):
             self.logger.info(
                 "task retry requested task_type=%s task_id=%s attempt=%d will_retry=%s",
