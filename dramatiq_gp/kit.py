@@ -22,7 +22,6 @@ Dramatiq's boot hooks, never at import.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 from uuid import uuid4
@@ -50,7 +49,6 @@ if TYPE_CHECKING:
 
     from .outbox import Relay
 
-logger = logging.getLogger(__name__)
 
 RegisterFunc = Callable[[Registry, Schedule], None]
 M = TypeVar("M", bound=Middleware)
@@ -124,12 +122,7 @@ class Kit:
         relay = next((m for m in stack if isinstance(m, OutboxRelay)), None)
         #: The outbox relay of this process, if it has a database and ``OUTBOX_RELAY`` is on.
         self.relay: Relay | None = relay.bind(self.broker) if relay is not None else None
-        listeners = self.registry.listeners()
-        logger.info(
-            "start-up: registered %d listener(s) for %d event type(s), %d schedule entr%s",
-            len(listeners), len({listener.event.name for listener in listeners}),
-            len(self.schedule), "y" if len(self.schedule) == 1 else "ies",
-        )  # fmt: skip
+        self.registry.announce(len(self.schedule))
         _current = self
 
     def with_closer(self, name: str, close: Closer) -> Kit:

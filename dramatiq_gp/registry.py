@@ -25,6 +25,7 @@ argument, and its message id commits with what the handler writes there.
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
@@ -114,6 +115,7 @@ class Registry:
         self._lock = threading.Lock()
         #: The listeners the live worker processes declared, once bound to one of the kit's brokers.
         self.subscriptions: Subscriptions | None = None
+        self._announced = False
 
     @one_line_at_start_up
     def listen(
@@ -177,6 +179,18 @@ class Registry:
             return handler
 
         return decorate
+
+    def announce(self, schedule_entries: int) -> None:
+        """Log ``start-up: registered N listener(s)...`` once: by the Kit, or by a hand-built broker's worker."""
+        if self._announced:
+            return
+        self._announced = True
+        listeners = self.listeners()
+        logging.getLogger("dramatiq_gp.kit").info(
+            "start-up: registered %d listener(s) for %d event type(s), %d schedule entr%s",
+            len(listeners), len({listener.event.name for listener in listeners}),
+            schedule_entries, "y" if schedule_entries == 1 else "ies",
+        )  # fmt: skip
 
     def listeners(self, event_cls: type[Any] | None = None) -> tuple[Listener, ...]:
         """The listeners of ``event_cls``, or all of them."""

@@ -255,3 +255,24 @@ def test_a_worker_freezes_what_it_holds_at_boot_out_of_garbage_collection_unless
             assert frozen == 0
         for key in rdb.scan_iter(f"{prefix}:*"):
             rdb.delete(key)
+
+
+@gp.event("test.middleware.noted")
+@dataclass(frozen=True)
+class Noted:
+    n: int
+
+
+def test_a_hand_built_broker_says_what_was_registered_once_as_the_kit_does(clean_env, redis_url, namespace,
+                                                                           run_worker, caplog):  # fmt: skip
+    registry = gp.Registry()
+    registry.listen(Noted, lambda event: None, name="first")
+    registry.listen(Noted, lambda event: None, name="second")
+    broker = gp.RedisBroker(url=redis_url, namespace=namespace, middleware=gp.default_middleware(registry=registry))
+    try:
+        with caplog.at_level(logging.INFO, logger="dramatiq_gp"):
+            run_worker(broker)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up: registered")]
+        assert lines == ["start-up: registered 2 listener(s) for 1 event type(s), 0 schedule entries"]
+    finally:
+        broker.close()

@@ -11,6 +11,7 @@ from dramatiq import Broker, Middleware, Worker
 
 from ..errors import one_line_at_start_up
 from ..registry import Registry, default_registry
+from .scheduler_lease import SchedulerLease
 
 #: ``WORKER_LISTENER_RETIREMENT``'s default.
 RETIREMENT = timedelta(minutes=10)
@@ -52,6 +53,9 @@ class Listeners(Middleware):
 
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        # A broker built by hand has no Kit to say what was registered (a Kit said it at import).
+        lease = next((m for m in broker.middleware if isinstance(m, SchedulerLease)), None)
+        self.registry.announce(len(lease.schedule) if lease is not None else 0)
         self.registry.bind(broker)
         subscriptions, listeners = self.registry.subscriptions, self.registry.listeners()
         if subscriptions is None or not listeners:
