@@ -552,3 +552,39 @@ def test_a_queue_name_in_the_path_cannot_write_a_line_of_its_own(clean_env, name
     assert [r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.actions"] == [
         "dlq purge by anonymous (dashboard, 127.0.0.1): 0 dead letter(s) of queue default deleted"
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "error"),
+    [
+        ("/?refresh=0", "refresh='0': expected a whole number from 2 to 3,600"),
+        ("/scheduler?refresh=soon", "refresh='soon': expected a whole number from 2 to 3,600"),
+        ("/dead-letters/default?offset=99999999999999999999999", "offset='99999999999999999999999': expected"),
+        ("/dead-letters/default?offset=-1", "offset='-1': expected a whole number from 0 to"),
+    ],
+    ids=["refresh-zero", "refresh-word", "huge-offset", "negative-offset"],
+)
+def test_bad_input_on_a_page_is_a_400_in_one_line(clean_env, namespace, path, error):
+    # refresh=0 reloaded the page without end; a huge offset was reported as "Redis/Valkey unreachable".
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    with serving(create_app()) as base:
+        reply = Browser(base).open(path)
+        assert reply.status == 400 and reply.body.startswith(error) and len(reply.body.splitlines()) == 1
+        refreshing = Browser(base).open("/?refresh=5")
+        assert refreshing.status == 200 and '<meta http-equiv="refresh" content="5">' in refreshing.body
+
+
+def test_a_basic_authorization_that_is_not_ascii_is_refused_not_a_server_error(clean_env, namespace):
+    import http.client
+
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    with serving(create_app(credentials=Credentials("alice", "s3cret"))) as base:
+        address = urllib.parse.urlsplit(base)
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+        try:
+            connection.putrequest("GET", "/")
+            connection.putheader("Authorization", "Basic ÿÿÿ".encode("latin-1"))
+            connection.endheaders()
+            assert connection.getresponse().status == 401
+        finally:
+            connection.close()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import hmac
 import ipaddress
 import logging
@@ -91,7 +90,7 @@ class Credentials:
         if scheme.lower() == "basic" and self.user is not None and self.password is not None:
             try:
                 user, _, password = base64.b64decode(value.strip(), validate=True).decode().partition(":")
-            except (binascii.Error, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError):  # binascii.Error, and a value that is not even ASCII
                 return None
             same_user = hmac.compare_digest(user.encode(), self.user.encode())
             same_password = hmac.compare_digest(password.encode(), self.password.encode())

@@ -86,9 +86,10 @@ class _Dashboard:
 
     def render(self, request: Request, name: str, **context: Any) -> Response:
         flash = request.cookies.get(FLASH_COOKIE)
+        refresh = _whole(request, "refresh", 0, MIN_REFRESH_S, 3600) if "refresh" in request.query_params else None
         response = self.templates.TemplateResponse(
             request, name, {"read_only": self.read_only, "csrf": csrf_token(request), "flash": unquote(flash or ""),
-                            "on_rabbitmq": self.reader.on_rabbitmq, **context},
+                            "on_rabbitmq": self.reader.on_rabbitmq, "refresh": refresh, **context},
         )  # fmt: skip
         if flash:
             response.delete_cookie(FLASH_COOKIE, path=request.scope.get("root_path") or "/")
@@ -114,10 +115,7 @@ class _Dashboard:
         queue = _queue(request)
         if self.reader.on_rabbitmq:
             return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=[])
-        try:
-            offset = max(0, int(request.query_params.get("offset", "0")))
-        except ValueError:
-            offset = 0
+        offset = _whole(request, "offset", 0, 0, MAX_OFFSET)
         total, letters = self.reader.dead_letters(queue, offset)
         return self.render(request, "dead_letters.html", page="dead_letters", queue=queue, total=total,
                            letters=letters, offset=offset, size=PAGE, pii=self.reader.pii)  # fmt: skip
@@ -225,6 +223,26 @@ class _Dashboard:
         title = f"{'Pause' if pause else 'Resume'} {entry}?"
         back = request.url_for("scheduler").path
         return await self.act(request, title=title, perform=perform, back=back, consequence=consequence)
+
+
+#: The shortest ``?refresh=`` period: ``0`` reloaded the page without end.
+MIN_REFRESH_S = 2
+#: The largest ``?offset=`` into a list: beyond a signed 64-bit integer, Redis refuses the range.
+MAX_OFFSET = 2**62
+
+
+def _whole(request: Request, name: str, default: int, low: int, high: int) -> int:
+    """The query parameter ``name`` as a whole number from ``low`` to ``high``; 400 in one line otherwise."""
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise HTTPException(400, f"{name}={text[:40]!r}: expected a whole number from {low:,} to {high:,}")
+    return value
 
 
 def _queue(request: Request) -> str:
