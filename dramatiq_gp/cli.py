@@ -363,20 +363,30 @@ def dlq() -> None:
 
 
 @dlq.command("list")
-@click.argument("queue")
+@click.argument("queue", required=False)
 @click.option("--offset", default=0, show_default=True, type=click.IntRange(min=0), help="skip this many")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1000), help="at most this many")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
-def dlq_list(queue: str, offset: int, limit: int, as_json: bool) -> None:
-    """List a queue's dead letters, the most recent first.
+def dlq_list(queue: str | None, offset: int, limit: int, as_json: bool) -> None:
+    """List a queue's dead letters (every queue's, without QUEUE), the most recent first.
 
     \b
     Example:
       dramatiq-gp dlq list default --limit 20
     """
     from . import deadletters
+    from .status import queue_status
 
     client, namespace, pii = _dead_letters()
+    queues = [queue] if queue is not None else [q["name"] for q in queue_status(client, namespace) if q["dead"]]
+    if queue is None and not queues and not as_json:
+        click.echo("no dead letters in any queue")
+    for name in queues:
+        _dlq_list_one(client, namespace, name, offset, limit, as_json, pii, deadletters)
+
+
+def _dlq_list_one(client: redis.Redis, namespace: str, queue: str, offset: int, limit: int, as_json: bool,
+                  pii: bool, deadletters: Any) -> None:  # fmt: skip
     total = deadletters.count(client, namespace, queue)
     letters = deadletters.page(client, namespace, queue, offset=offset, limit=limit, pii=pii)
     if as_json:
@@ -821,12 +831,12 @@ def status(as_json: bool) -> None:
         for entry in scheduler["entries"]:
             line = f"  {entry['name']}  {entry['trigger']} ({entry['zone']})"
             paused = f"  paused by {entry['paused']['by']} at {entry['paused']['at']}" if entry["paused"] else ""
-            click.echo(f"{line}  next {entry['next_fire']}  last {entry['last_fired']}{paused}")
+            last = entry["last_fired"] or "never"
+            click.echo(f"{line}  next {entry['next_fire'] or 'none'}  last {last}{paused}")
     if report["outbox"] is not None:
         box = report["outbox"]
-        click.echo(
-            f"outbox: {box['pending']} pending (oldest {box['oldest_pending_age_s']} s), {box['set_aside']} set aside"
-        )
+        oldest = f" (oldest {box['oldest_pending_age_s']} s)" if box["oldest_pending_age_s"] is not None else ""
+        click.echo(f"outbox: {box['pending']} pending{oldest}, {box['set_aside']} set aside")
     for queue in report["queues"]:
         if queue["in_flight"] is None:  # RabbitMQ: what workers hold is not visible over AMQP
             click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['delayed']} delayed, "

@@ -160,6 +160,11 @@ class SchedulerKeys:
         return f"{self.prefix}:last_fired"
 
     @property
+    def started(self) -> str:
+        """Entry name → when a leader first covered it, in ms, for an entry not yet fired (a hash)."""
+        return f"{self.prefix}:started"
+
+    @property
     def entries(self) -> str:
         """Entry name → ``<trigger>|<zone>``, published for ``dramatiq-gp status`` (a hash)."""
         return f"{self.prefix}:entries"

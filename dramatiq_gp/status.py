@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import redis
 
@@ -41,12 +41,20 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
     for name, trigger_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(scheduler.entries).items()):
         trigger, _, zone = trigger_zone.rpartition("|")
         last_ms = last.get(name)
-        fires = _next_fires(trigger, ZoneInfo(zone), published.get(name, []), now, NEXT_FIRES)
+        try:
+            where = ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError):
+            # Published by a worker whose tz database knows it (another namespace, another image): the
+            # entry still shows, in UTC, and says so.
+            where, zone = ZoneInfo("UTC"), f"{zone} (unknown here: times in UTC)"
+        fires = [datetime.fromisoformat(at).astimezone(where).isoformat()
+                 for at in _next_fires(trigger, where, published.get(name, []), now, NEXT_FIRES)]  # fmt: skip
+        # Every time of an entry in its own zone; the last fired is None until it first fires.
         entries.append({
             "name": name, "trigger": trigger, "zone": zone,
             "next_fire": fires[0] if fires else None,
-            "next_fires": [datetime.fromisoformat(at).astimezone(ZoneInfo(zone)).isoformat() for at in fires],
-            "last_fired": datetime.fromtimestamp(last_ms / 1000, UTC).isoformat() if last_ms is not None else None,
+            "next_fires": fires,
+            "last_fired": datetime.fromtimestamp(last_ms / 1000, where).isoformat() if last_ms is not None else None,
             "paused": paused.get(name),
         })  # fmt: skip
     catchup = client.get(scheduler.catchup)
@@ -67,8 +75,11 @@ def _next_fires(trigger: str, zone: ZoneInfo, published: list[str], now: datetim
 
 
 def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
-    """Per queue found by scanning the keyspace: its counts (:func:`queue_counts`)."""
-    names = set()
+    """Per queue the workers recorded (as the dashboard reads them) or found by scanning the keyspace: its counts.
+
+    An empty queue has no keys to find; the recorded set still names it.
+    """
+    names = {_text(name) for name in client.smembers(keys.declared_queues(namespace))}
     for key in client.scan_iter(keys.all_messages(namespace), count=1000):
         name = _text(key)[len(namespace) + 1 : -len(keys.MESSAGES)]
         names.add(name.removesuffix(".DQ").removesuffix(".XQ"))

@@ -193,15 +193,58 @@ def test_status_prints_one_line_per_scheduler_entry_outbox_and_queue(make_kit, e
     prefix = f"scheduler {namespace}: leader {host} pid {pid} epoch {epoch}, lease until "
     assert leader.startswith(prefix), leader
     assert asked < datetime.fromisoformat(leader.removeprefix(prefix)) <= asked + timedelta(seconds=3)
-    next_fire = (last + timedelta(days=1)).astimezone(UTC)  # wall-clock arithmetic: 03:00 local whatever the offset
-    assert entry == (
-        f"  nightly  0 3 * * * (Europe/Budapest)  next {next_fire.isoformat()}  last {last.astimezone(UTC).isoformat()}"
-    )
+    next_fire = last + timedelta(days=1)  # wall-clock arithmetic: 03:00 local whatever the offset
+    # Both in the entry's zone: once, next was local and last UTC.
+    assert entry == f"  nightly  0 3 * * * (Europe/Budapest)  next {next_fire.isoformat()}  last {last.isoformat()}"
     outbox = next(line for line in lines if line.startswith("outbox: "))
     assert re.fullmatch(r"outbox: 2 pending \(oldest \d+(\.\d+)? s\), 1 set aside", outbox), outbox
     assert [line for line in lines if line.startswith("queue ")] == [
         "queue mail: 2 ready, 0 in flight, 1 delayed, 0 dead"
     ]
+
+
+def test_status_names_empty_queues_an_entry_never_fired_an_unknown_zone_and_no_oldest_when_nothing_waits(
+    make_kit, engine, database_url, namespace, rdb
+):
+    kit = make_kit(
+        lambda registry, schedule: schedule.job("yearly", "0 0 1 1 *", lambda: None),
+        env={"SCHEDULER_LEASE_TTL": "3s", "DB_URL": database_url, "VALKEY_NAMESPACE": namespace},
+    )
+    rdb.sadd(f"{namespace}:gp:queues", "quiet")  # recorded by a worker's consumer, as the dashboard reads it
+    other = f"{namespace}-other"  # another namespace's scheduler, published by a worker whose zones differ
+    rdb.hset(f"{other}:scheduler:entries", "moon", "0 * * * *|Mars/Phobos")
+    kit.scheduler.start()
+    try:
+        wait_for(lambda: kit.scheduler.lease.is_held(), timeout=10)
+        result = run("status")
+        report = json.loads(run("status", "--json").stdout)
+    finally:
+        kit.scheduler.stop()
+        rdb.delete(f"{other}:scheduler:entries")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "queue quiet: 0 ready, 0 in flight, 0 delayed, 0 dead" in lines
+    (yearly,) = [line for line in lines if line.startswith("  yearly ")]
+    assert yearly.endswith("  last never"), yearly  # not the time the leader took over
+    assert [e["last_fired"] for s in report["schedulers"] for e in s["entries"] if e["name"] == "yearly"] == [None]
+    (moon,) = [line for line in lines if line.startswith("  moon ")]
+    assert "(Mars/Phobos (unknown here: times in UTC))" in moon and "+00:00" in moon
+    assert "outbox: 0 pending, 0 set aside" in lines  # not "oldest None s"
+
+
+def test_dlq_list_without_a_queue_lists_every_queues_dead_letters(make_kit, rdb, namespace):
+    make_kit(env={"VALKEY_NAMESPACE": namespace})
+    assert run("dlq", "list").stdout == "no dead letters in any queue\n"
+    for queue in ("alpha", "beta"):  # a dead letter as Dramatiq's Redis broker keeps one
+        message = Message(queue_name=queue, actor_name="send", args=(), kwargs={},
+                          options={"redis_message_id": f"{queue}-1"})  # fmt: skip
+        rdb.zadd(f"{namespace}:{queue}.XQ", {f"{queue}-1": 1_700_000_000_000})
+        rdb.hset(f"{namespace}:{queue}.XQ.msgs", f"{queue}-1", message.encode())
+        rdb.sadd(f"{namespace}:gp:queues", queue)
+    result = run("dlq", "list")
+    assert result.exit_code == 0, result.output
+    headers = [line for line in result.stdout.splitlines() if line.startswith("queue ")]
+    assert headers == ["queue alpha: 1 dead letter(s)", "queue beta: 1 dead letter(s)"]
 
 
 def test_outbox_failed_json_prints_each_set_aside_event_as_one_object_per_line(make_kit, engine, database_url):

@@ -268,13 +268,15 @@ class Runner:
         self._publish_unpublished()
         now = datetime.now(UTC)
         last = {_text(k): int(v) for k, v in self.broker.client.hgetall(self.covered_key).items()}
+        for name, started in self.broker.client.hgetall(self.keys.started).items():
+            last.setdefault(_text(name), int(started))
         policy, grace = self.settings.catchup, self.settings.catchup_grace
         on_time_from = now - self.settings.misfire_threshold
         for entry in self.schedule:
             if entry.name not in last:
-                # A new entry starts now; recording that keeps the next leader from
-                # treating the time before it as missed.
-                self.broker.client.hsetnx(self.covered_key, entry.name, _ms(now))
+                # A new entry starts now; recording that keeps the next leader from treating the
+                # time before it as missed (apart from the last fired: it has not fired yet).
+                self.broker.client.hsetnx(self.keys.started, entry.name, _ms(now))
                 self._timer.modify_job(entry.name, next_run_time=first_at_or_after(entry.trigger, just_after(now)))
                 continue
             since = datetime.fromtimestamp(last[entry.name] / 1000, UTC)
