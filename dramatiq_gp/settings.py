@@ -527,6 +527,26 @@ class SentrySettings(BaseSettings):
     #: Report a check-in for every scheduled job run.
     crons: bool = True
 
+    @model_validator(mode="after")
+    def _readable_dsn(self) -> SentrySettings:
+        if self.dsn is None:
+            return self
+        text = self.dsn.get_secret_value().strip()
+        if not text:  # sentry-sdk's own rule: an empty DSN turns it off
+            self.dsn = None
+            return self
+        try:
+            from sentry_sdk.utils import BadDsn, Dsn
+        except ImportError:  # said at start-up, by Telemetry, with how to install it
+            return self
+        try:
+            Dsn(text)
+        except BadDsn as exc:
+            # Not only a log line at the first event: Sentry would be off while the start-up said "on".
+            # The DSN itself stays out of the line: its user part is the project's key.
+            raise ValueError(f"SENTRY_DSN is not a valid Sentry DSN ({exc})") from None
+        return self
+
 
 #: The shortest ``DASHBOARD_TOKEN`` accepted: a bearer token is the whole secret, with no user name to guess too.
 MIN_TOKEN_LENGTH = 16

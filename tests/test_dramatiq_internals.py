@@ -246,23 +246,22 @@ def test_dispatch_lua_enqueue_takes_the_arguments_the_kit_passes_in_a_pipeline(c
     assert [next(consumer).message_id for _ in messages] == [m.message_id for m in messages]
 
 
-def test_dispatch_lua_fetch_takes_the_arguments_the_kit_passes_and_returns_the_data(connect, namespace, rdb):
+def test_dispatch_lua_fetch_of_none_runs_only_the_maintenance_and_the_heartbeat(connect, namespace, rdb):
+    """The kit fetches with its own ``fetch.lua`` (ids with the data) and calls ``dispatch.lua``
+    for its maintenance alone, asking for no message."""
     broker = connect(namespace)
-    sent = [broker.enqueue(_message("probe", n)) for n in range(3)]
-    dispatch = broker.scripts["dispatch"]
-    acks = f"{namespace}:__acks__.{broker.broker_id}.{Q}"
+    sent = broker.enqueue(_message("probe", 1))
+    dead_worker_acks = f"{namespace}:__acks__.dead-worker.{Q}"
+    rdb.lpop(f"{namespace}:{Q}")
+    rdb.sadd(dead_worker_acks, sent.options["redis_message_id"])
+    rdb.zadd(f"{namespace}:__heartbeats__", {"dead-worker": 1})
 
-    args = _dispatch_args(broker, "fetch", Q, 2)
-    first = dispatch(keys=[namespace], args=args)
+    args = _dispatch_args(broker, "fetch", Q, 0, maintain=1)
+    assert broker.scripts["dispatch"](keys=[namespace], args=args) == []
 
-    assert [Message.decode(data).message_id for data in first] == [m.message_id for m in sent[:2]]
-    assert rdb.smembers(acks) == {m.options["redis_message_id"] for m in sent[:2]}
+    assert rdb.lrange(f"{namespace}:{Q}", 0, -1) == [sent.options["redis_message_id"]]  # returned, not fetched
+    assert not rdb.exists(dead_worker_acks)
     assert rdb.zscore(f"{namespace}:__heartbeats__", broker.broker_id) == args[1]
-    assert len(dispatch(keys=[namespace], args=_dispatch_args(broker, "fetch", Q, 5))) == 1
-    assert dispatch(keys=[namespace], args=_dispatch_args(broker, "fetch", Q, 5)) == []
-    # An id whose data is gone comes back as None (Dramatiq #266); the kit skips those.
-    rdb.rpush(f"{namespace}:{Q}", "no-such-id")
-    assert dispatch(keys=[namespace], args=_dispatch_args(broker, "fetch", Q, 5)) == [None]
 
 
 # -- 4. The key layout, and what each command and maintenance do to it -------------------------------------------------

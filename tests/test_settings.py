@@ -183,6 +183,11 @@ def test_a_sentry_dsn_never_shows(env):
     assert "secretkey" not in str(raised.value) and "SENTRY_TRACES_SAMPLE_RATE='lots'" in str(raised.value)
 
 
+def test_an_empty_sentry_dsn_is_sentry_off_as_sentry_sdk_reads_it(env):
+    env.setenv("SENTRY_DSN", " ")
+    assert gp.Settings.from_env().sentry.dsn is None
+
+
 # -- DB_HOST, DB_PORT, DB_USER, DB_PASSWORD, DB_NAME ------------------------------------
 
 #: Characters that a URL must escape, so a password that reaches the server proves the quoting.
@@ -425,8 +430,11 @@ def test_a_password_in_the_query_of_a_url_never_shows_where_the_url_is_printed(c
         ("BROKER_URL", "amqp://g:hunter2@rabbit:abc/", "BROKER_URL='amqp://g:***@rabbit:abc/' cannot be read: Port"),
         ("DB_URL", "postgresql://u:hunter2@db:x/shop", "DB_URL='postgresql://u:***@db:x/shop' cannot be read:"),
         ("DB_URL", "not a url", "DB_URL='not a url' cannot be read: Could not parse"),
+        ("SENTRY_DSN", "https://hunter2@o1.ingest.sentry.io/", "SENTRY_DSN is not a valid Sentry DSN (Invalid project"),
+        ("SENTRY_DSN", "o1.ingest.sentry.io/2", "SENTRY_DSN is not a valid Sentry DSN (Unsupported scheme"),
     ],
-    ids=["redis-port", "redis-port-range", "redis-ipv6", "redis-db", "amqp-port", "db-port", "db-garbage"],
+    ids=["redis-port", "redis-port-range", "redis-ipv6", "redis-db", "amqp-port", "db-port", "db-garbage",
+         "sentry-project", "sentry-scheme"],  # fmt: skip
 )
 def test_a_malformed_url_is_one_configuration_error_naming_the_variable_never_the_password(env, variable, url, error):
     # These gave a 40-line traceback from the library that first read them, at start-up or in the CLI.

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -161,6 +162,8 @@ def _raw(actor_name: str, **fields: object) -> bytes:
         _raw("noop", options={"redis_message_id": "garbage-id", "retries": "abc"}),
         _raw("noop", options={"redis_message_id": "garbage-id", "time_limit": "abc"}),
         _raw("noop", options={"redis_message_id": "garbage-id", "max_retries": True}),
+        _raw("noop", options={"redis_message_id": "another-id"}),
+        _raw("noop", queue_name="elsewhere", options={"redis_message_id": "garbage-id"}),
     ],
     ids=[
         "bytes",
@@ -173,6 +176,8 @@ def _raw(actor_name: str, **fields: object) -> bytes:
         "retries-string",
         "time-limit-string",
         "max-retries-bool",
+        "not-its-redis-id",
+        "not-its-queue",
     ],
 )
 def test_a_message_that_cannot_be_decoded_or_is_malformed_is_dead_lettered_and_stalls_nothing(
@@ -198,5 +203,39 @@ def test_a_message_that_cannot_be_decoded_or_is_malformed_is_dead_lettered_and_s
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     (line,) = [r.getMessage() for r in errors]
     assert "malformed" in line and "moved to the dead-letter set" in line
-    assert "garbage" not in line and "not json" not in line  # the bytes stay out of the logs
+    assert "as garbage-id" in line  # where to find it
+    assert garbage.decode(errors="ignore") not in line and "not json" not in line  # the bytes stay out of the logs
     assert all(r.exc_info is None for r in errors)
+
+
+def test_a_message_naming_a_running_messages_redis_id_is_set_aside_and_leaves_that_message_alone(
+    make_kit, start_worker, rdb, namespace, caplog
+):
+    """Settled by the id in its data, it acked the running one: a kill -9 then lost that one."""
+    kit = make_kit()
+    running, release, done = threading.Event(), threading.Event(), []
+
+    def slow(n: int) -> None:
+        running.set()
+        release.wait(10)
+        done.append(n)
+
+    slow_actor = dramatiq.actor(slow, broker=kit.broker, actor_name="slow", queue_name="default")
+    dramatiq.actor(done.append, broker=kit.broker, actor_name="noop", queue_name="default")
+    start_worker(kit)
+    rid = slow_actor.send(1).options["redis_message_id"]
+    assert running.wait(10)
+
+    with caplog.at_level(logging.ERROR):
+        rdb.hset(f"{namespace}:default.msgs", "impostor", _raw("noop", args=[2], options={"redis_message_id": rid}))
+        rdb.rpush(f"{namespace}:default", "impostor")
+        wait_for(lambda: rdb.zscore(f"{namespace}:default.XQ", "impostor") is not None)
+
+    # The running message is still stored and held by this worker: a kill -9 now would return it.
+    assert rdb.hexists(f"{namespace}:default.msgs", rid)
+    assert any(rdb.sismember(key, rid) for key in rdb.scan_iter(f"{namespace}:__acks__.*"))
+    assert done == []
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "redis_message_id is not the id it is stored under" in line and "impostor" in line
+    release.set()
+    wait_for(lambda: done == [1] and not rdb.hexists(f"{namespace}:default.msgs", rid))

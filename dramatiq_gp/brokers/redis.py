@@ -27,8 +27,10 @@ tools see the same queues. On top of it:
   the dead-letter set with the reason in its options (``dead_letter.lua``), and is
   counted per task type for ``dramatiq-gp status``. :meth:`RedisBroker.join` does
   not wait for held messages (``unsettled.lua``).
-* A fetched message that cannot be decoded, or is decodable but malformed (no
-  ``redis_message_id``, fields of the wrong type), goes to the dead-letter set
+* A fetch (``fetch.lua``) returns each message with the Redis id it is stored
+  under. A fetched message that cannot be decoded, or is decodable but malformed
+  (fields or options of the wrong type, a ``redis_message_id`` or ``queue_name``
+  that is not where it is stored), goes to the dead-letter set as it came
   (``set_aside.lua``) with one error line; the rest of its batch runs as usual.
 
 The Lua scripts live beside this module in ``redis/``; every key they touch is
@@ -214,17 +216,27 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             self.emit_after("enqueue", message, None)
         return prepared
 
-    def fetch(self, queue_name: str, prefetch: int, *, maintain: bool) -> list[bytes | None]:
-        """Dramatiq's fetch; with ``maintain``, the queue's maintenance runs with it for sure.
+    def fetch(self, queue_name: str, prefetch: int, *, maintain: bool) -> list[tuple[str, bytes | None]]:
+        """Up to ``prefetch`` messages of ``queue_name``, each with the Redis id it is stored under.
 
-        Dramatiq runs maintenance on 0.1% of commands, so with few consumers a dead
-        worker's messages could wait many minutes past the heartbeat timeout.
+        Dramatiq's fetch returns the data alone, and its messages are then settled by
+        the ``redis_message_id`` written in the data: a message whose data names
+        another message's id acked that one while it ran. ``fetch.lua`` returns the
+        ids too. With ``maintain``, the queue's maintenance (``dispatch.lua``'s)
+        runs first for sure: Dramatiq runs it on 0.1% of commands, so with few
+        consumers a dead worker's messages could wait many minutes past the
+        heartbeat timeout.
         """
-        maintenance = 1 if maintain else self._should_do_maintenance("fetch")
+        ns, now = self.namespace, current_millis()
         unpack = self._max_unpack_size()  # type: ignore[no-untyped-call]
-        args = ["fetch", current_millis(), queue_name, self.broker_id, self.heartbeat_timeout,
-                self.dead_message_ttl, maintenance, unpack, prefetch]  # fmt: skip
-        return list(self.scripts["dispatch"](keys=[self.namespace], args=args))
+        if maintain or self._should_do_maintenance("fetch"):
+            args = ["fetch", now, queue_name, self.broker_id, self.heartbeat_timeout, self.dead_message_ttl, 1,
+                    unpack, 0]  # fmt: skip
+            self.scripts["dispatch"](keys=[ns], args=args)
+        touched = [keys.heartbeats(ns), keys.queue(ns, queue_name), keys.messages(ns, queue_name),
+                   keys.acks(ns, self.broker_id, queue_name)]  # fmt: skip
+        ids, data = self._scripts["fetch"](keys=touched, args=[now, self.broker_id, min(prefetch, unpack)])
+        return [(id if isinstance(id, str) else id.decode(), raw) for id, raw in zip(ids, data, strict=True)]
 
     def _copy_options(self) -> dict[str, Any]:
         # The copy is written in the same Lua call as the ack (settle.lua): both happen or neither.
@@ -293,8 +305,10 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             if plan is not None and plan.redeliver is not None:
                 self.send_failed(plan.redeliver, error)
 
-    def set_aside_malformed(self, queue_name: str, data: bytes) -> int:
-        """Dead-letter a fetched message that cannot be decoded or is malformed (it never reaches a worker thread).
+    def set_aside_malformed(self, queue_name: str, redis_id: str) -> int:
+        """Dead-letter the fetched message stored under ``redis_id``, which cannot be decoded or is malformed.
+
+        It never reaches a worker thread, and it is moved as it came.
 
         Left unacknowledged, it would come back after every heartbeat timeout for
         ever; in Dramatiq's dead-letter set (``<queue>.XQ``) it is kept for
@@ -303,7 +317,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         ns = self.namespace
         touched = [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
                    keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name)]  # fmt: skip
-        return int(self._scripts["set_aside"](keys=touched, args=[data, current_millis()]))
+        return int(self._scripts["set_aside"](keys=touched, args=[redis_id, current_millis()]))
 
     def dead_letter(self, queue_name: str, message: MessageProxy, reason: str) -> None:
         """Move a fetched ``message`` to its queue's dead-letter set, ``reason`` in its options.
@@ -417,20 +431,20 @@ class _Consumer(_RedisConsumer):
         if self._room() >= self._refill_at:
             self._freed.set()
 
-    def _accept(self, batch: list[bytes | None]) -> list[MessageProxy]:
+    def _accept(self, batch: list[tuple[str, bytes | None]]) -> list[MessageProxy]:
         """The messages of ``batch`` for the worker threads; the others are set aside or held here."""
         delayed = self.queue_name.endswith(".DQ")
         accepted = []
-        for data in batch:
+        for redis_id, data in batch:
             if data is None:  # Dramatiq #266
                 continue
             try:
                 decoded = Message.decode(data)
-                problem = _malformed(decoded)
+                problem = _malformed(decoded, redis_id, self.queue_name)
             except DecodeError as exc:
                 problem = f"cannot decode it ({decode_cause(exc)})"
             if problem:
-                self._set_aside(data, problem)
+                self._set_aside(redis_id, problem)
                 continue
             message = MessageProxy(decoded)
             self.queued_message_ids.add(message.message_id)
@@ -445,15 +459,15 @@ class _Consumer(_RedisConsumer):
             except Exception as exc:
                 # One odd message must not take the consumer, and the batch fetched with it, down.
                 self.queued_message_ids.discard(message.message_id)
-                self._set_aside(data, f"cannot hold it for its unknown task type ({type(exc).__name__}: {exc})")
+                self._set_aside(redis_id, f"cannot hold it for its unknown task type ({type(exc).__name__}: {exc})")
         return accepted
 
-    def _set_aside(self, data: bytes, problem: str) -> None:
-        moved = self.broker.set_aside_malformed(self.queue_name, data)
+    def _set_aside(self, redis_id: str, problem: str) -> None:
+        moved = self.broker.set_aside_malformed(self.queue_name, redis_id)
         # The bytes stay out of the line (they may be a payload); they are kept in the dead-letter set.
         logger.error(
             "a message on queue %r is malformed: %s; %s", self.queue_name, problem,
-            "moved to the dead-letter set" if moved else "could not find it to set it aside",
+            f"moved to the dead-letter set as {redis_id}" if moved else "could not find it to set it aside",
         )  # fmt: skip
 
     def dead_letter(self, message: MessageProxy, reason: str) -> None:
@@ -501,10 +515,22 @@ class _Consumer(_RedisConsumer):
         super().close()
 
 
-def _malformed(message: Message[Any]) -> str:
-    """:func:`~.base.malformed`, and a message with no ``redis_message_id`` (written by
-    something other than a Dramatiq broker), which could not even be acked."""
+def _malformed(message: Message[Any], redis_id: str, queue_name: str) -> str:
+    """:func:`~.base.malformed`, and a message that does not say where it is stored.
+
+    It is settled by the ``redis_message_id`` and ``queue_name`` written in it: a
+    message naming another message's id would ack that one while it runs, and one
+    naming another queue would never be settled (and run again at every restart).
+    Only Dramatiq's brokers write the id (one without it was written by something else).
+    """
     problem = malformed(message)
-    if not problem and not isinstance(message.options.get("redis_message_id"), str):
+    if problem:
+        return problem
+    claimed = message.options.get("redis_message_id")
+    if not isinstance(claimed, str):
         return "it has no options.redis_message_id (it was not written by a Dramatiq broker)"
-    return problem
+    if claimed != redis_id:
+        return "its options.redis_message_id is not the id it is stored under"
+    if message.queue_name != queue_name:
+        return "its queue_name is not the queue it is stored in"
+    return ""

@@ -1,13 +1,13 @@
--- KEYS: acks, msgs, xq, xq msgs; ARGV: data, now
--- The fetch moved the message's id to the acks set; find it by its data.
-local moved = 0
-for _, id in ipairs(redis.call("smembers", KEYS[1])) do
-    if redis.call("hget", KEYS[2], id) == ARGV[1] then
-        redis.call("srem", KEYS[1], id)
-        redis.call("hdel", KEYS[2], id)
-        redis.call("zadd", KEYS[3], ARGV[2], id)
-        redis.call("hset", KEYS[4], id, ARGV[1])
-        moved = moved + 1
-    end
+-- KEYS: acks, msgs, xq, xq msgs; ARGV: the redis message id it is stored under, now
+-- Moves a fetched message to the dead-letter set as it came, under the id it is stored under.
+if redis.call("srem", KEYS[1], ARGV[1]) == 0 then
+    return 0
 end
-return moved
+local data = redis.call("hget", KEYS[2], ARGV[1])
+if not data then
+    return 0
+end
+redis.call("hdel", KEYS[2], ARGV[1])
+redis.call("zadd", KEYS[3], ARGV[2], ARGV[1])
+redis.call("hset", KEYS[4], ARGV[1], data)
+return 1
