@@ -394,9 +394,12 @@ class Soak:
         found: set[tuple[str, int]] = set()
 
         def note(data: bytes) -> None:
-            message = json.loads(data)
+            try:
+                message = json.loads(data)
+            except (ValueError, RecursionError):  # the soak's own garbage, set aside as it came
+                return
             prefix = "listener:soak.parcel:"
-            if message.get("actor_name", "").startswith(prefix):
+            if isinstance(message, dict) and str(message.get("actor_name", "")).startswith(prefix):
                 found.add((message["actor_name"][len(prefix) :], message["args"][0]["data"]["order_id"]))
 
         if self.rabbitmq is None:
