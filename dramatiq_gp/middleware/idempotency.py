@@ -19,8 +19,8 @@ leaders overlapping. This middleware makes them harmless:
 Only actors declared with ``idempotent=True`` take part (the kit's listeners and
 jobs do); a plain actor's ids are random, so checking them would buy nothing.
 
-Hooks: ``before_worker_boot`` (refuses any broker but :class:`dramatiq_gp.RedisBroker`,
-whose settle step writes the outcome), ``after_worker_boot``/``after_worker_shutdown``
+Hooks: ``before_worker_boot`` (refuses any broker but the kit's, whose settle step writes
+the outcome), ``after_worker_boot``/``after_worker_shutdown``
 (the renewing thread), ``before_process_message``, ``after_process_message``,
 ``after_ack``/``after_nack``, and the broker's ``after_fetch``. The keys are
 ``<namespace>:gp:done:<message id>`` on the broker's Redis.
