@@ -54,7 +54,8 @@ class BrokerUnreachable(GPError, ConnectionError):
 
 
 class BrokerMismatch(GPError, MiddlewareError):
-    """A middleware that needs :class:`dramatiq_gp.RedisBroker` was given another broker.
+    """A middleware that needs one of the kit's brokers (:class:`dramatiq_gp.RedisBroker`,
+    :class:`dramatiq_gp.RabbitmqBroker`) was given another broker.
 
     A ``MiddlewareError``, so Dramatiq lets it out of the hook that found it instead
     of logging and swallowing it: nothing may run half-wired.

@@ -11,8 +11,10 @@ An application's ``app/worker.py``::
     broker = kit.broker
 
 and ``dramatiq app.worker`` runs it. The Kit builds a :class:`~dramatiq_gp.RedisBroker`
-from ``VALKEY_*``/``REDIS_URL`` with :func:`~dramatiq_gp.default_middleware`, the
-same list a hand-built broker can take, and adds what the middleware list cannot
+from ``VALKEY_*``/``REDIS_URL``, or with ``BROKER_URL`` set a
+:class:`~dramatiq_gp.RabbitmqBroker` (Redis/Valkey then keeps the coordination
+state), with :func:`~dramatiq_gp.default_middleware`, the same list a hand-built
+broker can take, and adds what the middleware list cannot
 hold: the register callback, a schedule of its own (which takes in the
 module-level ``@dramatiq_gp.job`` entries), the application's closers, and
 :meth:`Kit.dispatch`. Dramatiq imports that module in every worker process, so
@@ -67,8 +69,9 @@ class Kit:
             application adds its listeners and jobs there, with its dependencies.
         settings: defaults to :meth:`Settings.from_env`.
         registry: defaults to the one module-level ``@dramatiq_gp.listener`` functions join.
-        broker_options: extra keyword arguments for :class:`~dramatiq_gp.RedisBroker`
-            (``namespace``, ``heartbeat_timeout``, ``client``...).
+        broker_options: extra keyword arguments for :class:`~dramatiq_gp.RedisBroker`, or
+            :class:`~dramatiq_gp.RabbitmqBroker` with ``BROKER_URL`` set (``namespace``,
+            ``client``, and that Dramatiq broker's, such as Redis's ``heartbeat_timeout``).
         middleware: extra Dramatiq middleware, added after the kit's own (an ``AsyncIO``
             of the application's replaces the kit's, so there is one event loop).
         engine: the database holding the outbox; defaults to one built from ``DB_*``.
@@ -143,7 +146,8 @@ class Kit:
         transaction: nothing is sent unless it commits. ``dispatch(event)`` goes
         through the outbox in a transaction of its own when the kit has a database,
         and straight to the queue otherwise (every listener's message encoded
-        before any is sent, all sent in one round trip or none).
+        before any is sent, then sent as one batch: on Redis in one round trip,
+        all or none).
 
         Raises:
             EventError: ``event`` is not an event.

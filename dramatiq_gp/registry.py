@@ -325,7 +325,7 @@ def idempotent_option(broker: Broker) -> dict[str, Any]:
 
 
 def send_all(broker: Broker, messages: Sequence[Message[Any]]) -> None:
-    """Send ``messages``: in one round trip, all or none, on the kit's broker; one by one on another."""
+    """Send ``messages``: as one batch on the kit's brokers (``enqueue_many``); one by one on another."""
     if not messages:
         return
     enqueue_many = getattr(broker, "enqueue_many", None)

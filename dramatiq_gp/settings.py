@@ -1,4 +1,4 @@
-"""Configuration from environment variables, one group per prefix (SPEC section 7).
+"""Configuration from environment variables, one group per prefix (docs/configuration.md).
 
 Each group is a pydantic-settings class. Nothing reads the environment at import
 time: :meth:`Settings.from_env` does, and turns validation failures into one

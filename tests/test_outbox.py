@@ -100,6 +100,19 @@ def test_a_committed_event_is_relayed_under_its_own_id(style, outbox_kit, engine
     assert kit.relay.relay_once() == 0
 
 
+def test_an_engine_given_to_the_kit_turns_the_outbox_on_and_wins_over_db_url(make_kit, engine, rdb, namespace):
+    # Nothing listens at DB_URL's address: a kit that built an engine from it would fail to relay.
+    kit = make_kit(engine=engine, env={"DB_URL": "postgresql://nobody@127.0.0.1:1/elsewhere"})
+    assert kit.engine is engine and kit.relay is not None and kit.relay.engine is engine
+    # The application's engine is the application's to dispose of.
+    assert "outbox database" not in [name for name, _ in kit.lifecycle.closers.kit]
+
+    event_id = kit.dispatch(Paid(8))  # through the outbox, in a transaction of its own
+    assert _queued(rdb, namespace) == []
+    assert kit.relay.relay_once() == 1
+    assert [message["message_id"] for message in _queued(rdb, namespace)] == [event_id]
+
+
 def test_an_encoding_error_raises_at_dispatch_and_writes_nothing(outbox_kit, engine):
     outbox_kit()
     with Session(engine) as session, session.begin(), pytest.raises(gp.EventEncodeError):

@@ -16,12 +16,14 @@ from typing import Any
 import dramatiq
 import pytest
 from dramatiq import Message
+from dramatiq.brokers.stub import StubBroker
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 import dramatiq_gp as gp
+from dramatiq_gp.middleware.tracing import messaging_system
 from helpers import wait_for
 
 
@@ -183,3 +185,27 @@ def test_a_send_that_fails_ends_its_span_with_the_error(make_kit, spans, clean_e
     failed = _finished(exporter, "send nobody")
     assert len(failed) == 3
     assert all(span.status.status_code is StatusCode.ERROR and "error.type" in span.attributes for span in failed)
+
+
+@pytest.mark.usefixtures("broker")
+def test_spans_name_the_broker_the_queues_are_on_as_the_messaging_system(broker, make_kit, start_worker, spans):
+    provider, exporter = spans
+    kit = make_kit(tracer_provider=provider)
+    done = threading.Event()
+
+    @dramatiq.actor(broker=kit.broker, actor_name="plain_task")
+    def plain_task() -> None:
+        done.set()
+
+    plain_task.send()
+    start_worker(kit)
+    wait_for(done.is_set)
+    wait_for(lambda: _finished(exporter, "process plain_task"))
+
+    (send,) = _finished(exporter, "send plain_task")
+    (process,) = _finished(exporter, "process plain_task")
+    assert send.attributes["messaging.system"] == process.attributes["messaging.system"] == broker
+
+
+def test_another_broker_is_named_after_its_class():
+    assert messaging_system(StubBroker()) == "stub"

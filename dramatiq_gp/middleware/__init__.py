@@ -4,7 +4,8 @@ Each works in a broker's middleware list on its own, and says in its docstring
 which hooks it uses and what it needs. Those that rely on the kit's Redis
 protocol (:class:`IdempotentExecution`, :class:`Retries`, :class:`OutboxRelay`,
 :class:`SchedulerLease`, :class:`RecentFailures`, strict :class:`QueueWeights`) refuse any broker but
-:class:`dramatiq_gp.RedisBroker` when the worker boots, in one line naming both.
+the kit's (:class:`dramatiq_gp.RedisBroker`, :class:`dramatiq_gp.RabbitmqBroker`) when the worker boots,
+in one line naming both.
 
 ``Sentry`` lives in :mod:`dramatiq_gp.middleware.sentry`, imported only when
 sentry-sdk (the ``sentry`` extra) is installed.

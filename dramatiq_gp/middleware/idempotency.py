@@ -1,6 +1,6 @@
 """Idempotent execution: duplicates of a message id never reach the handler twice.
 
-Dramatiq's Redis broker stores and runs a message id as often as it is enqueued.
+Dramatiq's brokers store and run a message id as often as it is enqueued.
 The kit's message ids are deterministic (fan-out, outbox, scheduler), so copies
 do happen: a relay crashing between enqueue and commit, a fan-out retried, two
 leaders overlapping. This middleware makes them harmless:
@@ -10,8 +10,9 @@ leaders overlapping. This middleware makes them harmless:
   copy (the copy is deferred and looked at again later, so a crashed holder's
   work is not lost); the kit's broker calls :meth:`IdempotentExecution.after_fetch`
   as it fetches, and a message that arrives unclaimed is claimed on its own;
-* the outcome is written in the same Lua call as the ack (see
-  :mod:`dramatiq_gp.brokers.redis`): ``done`` for a success, kept for the retention
+* the outcome is written with the ack (on Redis in the same Lua call, see
+  :mod:`dramatiq_gp.brokers.redis`; on RabbitMQ to Redis just before it, see
+  :mod:`dramatiq_gp.brokers.rabbitmq`): ``done`` for a success, kept for the retention
   window; the claim is released on failure, so a retry of the same id runs;
 * a thread renews the leases of messages still running, so a long task keeps its
   claim and a dead worker's claim lapses within one lease.
@@ -19,8 +20,8 @@ leaders overlapping. This middleware makes them harmless:
 Only actors declared with ``idempotent=True`` take part (the kit's listeners and
 jobs do); a plain actor's ids are random, so checking them would buy nothing.
 
-Hooks: ``before_worker_boot`` (refuses any broker but :class:`dramatiq_gp.RedisBroker`,
-whose settle step writes the outcome), ``after_worker_boot``/``after_worker_shutdown``
+Hooks: ``before_worker_boot`` (refuses any broker but the kit's, whose settle step writes
+the outcome), ``after_worker_boot``/``after_worker_shutdown``
 (the renewing thread), ``before_process_message``, ``after_process_message``,
 ``after_ack``/``after_nack``, and the broker's ``after_fetch``. The keys are
 ``<namespace>:gp:done:<message id>`` on the broker's Redis.

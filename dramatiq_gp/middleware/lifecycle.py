@@ -1,4 +1,4 @@
-"""The worker's start-up and shutdown order (SPEC section 1), driven by Dramatiq's hooks.
+"""The worker's start-up and shutdown order (docs/lifecycle.md), driven by Dramatiq's hooks.
 
 Start-up: telemetry and the register callback run when the application module
 is imported (the dramatiq CLI imports it in each worker process); then, from

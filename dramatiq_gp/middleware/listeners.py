@@ -38,8 +38,8 @@ class Listeners(Middleware):
     (stops refreshing; what was declared stays until retired, so a restart misses
     nothing). Works on any broker: Dramatiq's ``StubBroker`` too, for tests, without
     the declaration. With :class:`~dramatiq_gp.IdempotentExecution` in the list the
-    listeners take part in it; the fan-out goes out in one round trip on
-    :class:`dramatiq_gp.RedisBroker` and one message at a time elsewhere.
+    listeners take part in it; the fan-out goes out as one batch on the kit's
+    brokers and one message at a time elsewhere.
 
     Parameters:
         registry: module-level ``@dramatiq_gp.listener`` functions' by default.

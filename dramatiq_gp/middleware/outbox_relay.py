@@ -27,7 +27,8 @@ class OutboxRelay(Producer):
 
     Hooks: ``before_worker_boot`` (refuses a broker not of the kit's, which sends
     a batch before the relay marks it published: :class:`dramatiq_gp.RedisBroker`
-    in one round trip, all or none, RabbitMQ one confirmed publish after another),
+    in one round trip, all or none, :class:`dramatiq_gp.RabbitmqBroker` published at
+    once and every message confirmed),
     ``after_worker_boot`` (starts the relay thread) and
     ``before_worker_shutdown`` (stops it once its current round commits, on a
     thread of its own beside the drain: see :class:`~dramatiq_gp.middleware.lifecycle.Producer`).

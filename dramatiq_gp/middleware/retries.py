@@ -7,9 +7,10 @@ worker then acks the failed attempt as soon as Redis is back: the message is
 gone and its retry never existed. (The soak lost whole orders that way, an
 outbox event's fan-out failing as Redis restarted.)
 
-Here the retry is handed to the kit's broker instead, which writes it in the
-same Lua call as the ack (:meth:`dramatiq_gp.broker.Broker.redeliver_later`):
-until Redis takes the ack, Dramatiq keeps retrying it, and the retry goes with it.
+Here the retry is handed to the kit's broker instead, which sends it with the ack
+(:meth:`dramatiq_gp.brokers.base.KitBroker.redeliver_later`): on Redis in the same
+Lua call, on RabbitMQ published and confirmed before the ack. The failed attempt
+is never acked without its retry sent.
 
 A :class:`~dramatiq_gp.PayloadMismatch` (an event written by another version of the
 application, which this one's class cannot read) is never retried: no retry can
@@ -44,8 +45,8 @@ class Retries(dramatiq.middleware.Retries):
     """Dramatiq's retry policy (``max_retries``, backoff, ``retry_when``, ``throws``,
     ``on_retry_exhausted``), with each retry sent atomically with the ack.
 
-    Hooks: ``before_worker_boot`` (refuses any broker but :class:`dramatiq_gp.RedisBroker`,
-    which carries the retry with the ack) and ``after_process_message``. Takes
+    Hooks: ``before_worker_boot`` (refuses any broker but the kit's, which carries
+    the retry with the ack) and ``after_process_message``. Takes
     Dramatiq's ``Retries`` arguments; use it instead of Dramatiq's, not beside it.
     """
 

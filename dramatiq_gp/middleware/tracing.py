@@ -9,9 +9,15 @@ and a retry stays in it, linked to where the message began.
 
 Every send goes through ``before_enqueue``/``after_enqueue`` (Dramatiq's own
 ``enqueue``, the kit's batches, delayed copies and scheduler firings alike). A
-send that fails before ``after_enqueue`` is reported by :class:`dramatiq_gp.RedisBroker`
-through ``after_send_failed``, so no span is left open (on another broker such a
-span is never ended; nothing else is missing).
+send that fails before ``after_enqueue`` is reported through ``after_send_failed``
+by :class:`dramatiq_gp.RedisBroker`, and by :class:`dramatiq_gp.RabbitmqBroker` for
+its batches and delayed copies, so their span is ended with the error. A failed
+send no such hook reports (a single ``enqueue`` on RabbitMQ is Dramatiq's own; any
+send on another broker) leaves its span unended; nothing else is missing.
+
+``messaging.system`` is ``rabbitmq`` on a RabbitMQ broker (the kit's or
+Dramatiq's), ``redis`` on a Redis one, and another broker's class name without
+``Broker`` (``stub`` for Dramatiq's ``StubBroker``).
 
 Spans follow the messaging semantic conventions, with one deviation: the task
 type names the span (``send <task type>``, ``process <task type>``) rather than
@@ -21,11 +27,13 @@ is ``messaging.destination.name``.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
 from dramatiq import Broker, Message, Middleware, Retry
 from dramatiq.broker import MessageProxy
+from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import q_name
 from opentelemetry import context, propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -47,8 +55,8 @@ class Tracing(Middleware):
 
     Hooks: ``before_enqueue``, ``after_enqueue``, ``before_process_message``,
     ``after_process_message``, ``after_skip_message``, and the broker's
-    ``after_send_failed``. Works on any broker (see the module docstring for what
-    only :class:`dramatiq_gp.RedisBroker` reports).
+    ``after_send_failed``. Works on any broker (see the module docstring for which
+    failed sends only the kit's brokers report).
 
     Parameters:
         tracer_provider: where the spans go; ``None`` means the global provider.
@@ -73,7 +81,7 @@ class Tracing(Middleware):
             # context, e.g. the request that wrote an outbox row.
             sent = options.get(DELIVERY) or options.get(ORIGIN)
             parent = propagate.extract(sent) if sent else None
-        attributes = _attributes(message, "send")
+        attributes = _attributes(broker, message, "send")
         if delay:
             attributes["dramatiq_gp.delay_ms"] = delay
         span = self.tracer.start_span(
@@ -127,7 +135,7 @@ class Tracing(Middleware):
             created = trace.get_current_span(propagate.extract(origin)).get_span_context()
             if created.is_valid:
                 links.append(Link(created, {"messaging.operation.type": "create"}))
-        attributes = _attributes(message, "process")
+        attributes = _attributes(broker, message, "process")
         attributes["dramatiq_gp.attempt"] = options.get("retries", 0) + 1
         span = self.tracer.start_span(
             f"process {message.actor_name}", context=parent, kind=SpanKind.CONSUMER,
@@ -170,9 +178,20 @@ class Tracing(Middleware):
             context.detach(token)
 
 
-def _attributes(message: Message[Any] | MessageProxy, operation: str) -> dict[str, Any]:
+def messaging_system(broker: Broker) -> str:
+    """``broker``'s ``messaging.system``, as the messaging semantic conventions name it."""
+    # Looked up rather than imported: that module needs pika, and a RabbitMQ broker has imported it.
+    rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")
+    if rabbitmq is not None and isinstance(broker, rabbitmq.RabbitmqBroker):
+        return "rabbitmq"
+    if isinstance(broker, RedisBroker):
+        return "redis"
+    return type(broker).__name__.removesuffix("Broker").lower()
+
+
+def _attributes(broker: Broker, message: Message[Any] | MessageProxy, operation: str) -> dict[str, Any]:
     return {
-        "messaging.system": "redis",
+        "messaging.system": messaging_system(broker),
         "messaging.operation.type": operation,
         "messaging.operation.name": operation,
         "messaging.destination.name": q_name(message.queue_name),

@@ -7,8 +7,9 @@ round, in one database transaction, a relay
    ``FOR UPDATE SKIP LOCKED`` (by status, not by an id cursor, so a transaction
    that commits out of id order is never skipped, and relays never wait on each
    other);
-2. enqueues one ``event:<event>`` message per row, under the row's id, all in one
-   Redis round trip;
+2. enqueues one ``event:<event>`` message per row, under the row's id, as one
+   batch (on Redis one round trip; on RabbitMQ published at once, then every
+   message confirmed);
 3. marks the rows published (or deletes them when ``OUTBOX_RETENTION=0``) and commits.
 
 Every ``PURGE_INTERVAL_S`` it also deletes a batch of published rows past
