@@ -25,6 +25,11 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def unreadable(reason: str) -> str:
+    """What shows in place of a record or field that cannot be read, so that the rest around it still shows."""
+    return f"(unreadable: {reason})"
+
+
 def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: datetime | None = None) -> dict[str, Any]:
     """The leader (host, pid, epoch, lease expiry) and each published entry's next and last fire."""
     now = now or datetime.now(UTC)

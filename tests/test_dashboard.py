@@ -6,6 +6,7 @@ The browser half, against the shop's worker, is in ``test_dashboard_browser.py``
 from __future__ import annotations
 
 import base64
+import html
 import http.cookiejar
 import json
 import logging
@@ -33,7 +34,7 @@ import dramatiq_gp as gp
 from devtools.asgi import serving
 from dramatiq_gp import deadletters, keys
 from dramatiq_gp.dashboard import Credentials, create_app
-from helpers import wait_for
+from helpers import BAD_DEAD_LETTERS, bury, stored_dead_letter, wait_for
 
 
 @dataclass
@@ -588,3 +589,28 @@ def test_a_basic_authorization_that_is_not_ascii_is_refused_not_a_server_error(c
             assert connection.getresponse().status == 401
         finally:
             connection.close()
+
+
+@pytest.mark.parametrize("case", BAD_DEAD_LETTERS)
+def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of_its_page_shows(
+    case, clean_env, namespace, rdb
+):
+    id, stored, shown = BAD_DEAD_LETTERS[case]
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
+    bury(rdb, namespace, "default", id, stored)
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        page = browser.open("/dead-letters/default")
+        assert page.status == 200, page.body
+        assert "m-good" in page.body and shown in html.unescape(page.body)
+        (link,) = [html.unescape(href) for href in re.findall(r'<td><a href="([^"]+)">', page.body)
+                   if not href.endswith("/good")]  # fmt: skip
+        one = browser.open(urllib.parse.urlsplit(link).path)
+        assert one.status == 200, one.body
+        assert shown in html.unescape(one.body) and f"<code>{html.escape(id)}</code>" in one.body
+        token = browser.csrf("/dead-letters/default")
+        done = browser.open("/dead-letters/default/requeue", {"csrf": token, "id": id, "confirmed": "yes"})
+        assert "1 dead letter(s) of queue default requeued" in done.body
+    assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
+    assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == [id]

@@ -325,7 +325,7 @@ def create_app(
         Route("/dead-letters/{queue}", d.dead_letters, name="dead_letters"),
         Route("/dead-letters/{queue}/requeue", d.requeue, methods=["POST"], name="requeue"),
         Route("/dead-letters/{queue}/purge", d.purge, methods=["POST"], name="purge"),
-        Route("/dead-letters/{queue}/{id}", d.dead_letter, name="dead_letter"),
+        Route("/dead-letters/{queue}/{id:path}", d.dead_letter, name="dead_letter"),  # a Redis id may hold a '/'
         Route("/failures", d.failures, name="failures"),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
