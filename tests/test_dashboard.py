@@ -614,3 +614,33 @@ def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of
         assert "1 dead letter(s) of queue default requeued" in done.body
     assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
     assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == [id]
+
+
+#: Worker records no worker of this version writes, and what the overview shows for each.
+BAD_WORKERS = {
+    "not-json": ("w-bad", b"{not json", ["(unreadable: not JSON)"]),
+    "not-an-object": ("w-bad", b"[1, 2]", ["(unreadable: not a JSON object)"]),
+    "wrong-types": ("w-bad", json.dumps({"host": 7, "pid": "abc", "started_ms": "soon", "queues": 5,
+                                         "weights": [1], "strict": "yes"}),
+                    ["(unreadable: host=7)", "(unreadable: pid='abc')", "(unreadable: started_ms='soon')",
+                     "(unreadable: queues=5)", "(unreadable: weights=[1])"]),
+    "id-not-utf8": (b"w-\xff", json.dumps({"host": "odd", "pid": 9, "queues": ["default"]}), ["odd"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_WORKERS)
+def test_one_bad_worker_record_is_marked_and_the_rest_of_the_overview_shows(case, clean_env, namespace, rdb):
+    broker_id, record, shown = BAD_WORKERS[case]
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    now = dramatiq.common.current_millis()
+    rdb.zadd(keys.heartbeats(namespace), {"w-good": now, broker_id: now})
+    good = {"host": "good-host", "pid": 4242, "started_ms": now, "queues": ["default"], "weights": {"default": 3}}
+    rdb.hset(keys.workers(namespace), mapping={"w-good": json.dumps(good), broker_id: record})
+    rdb.sadd(keys.declared_queues(namespace), "default")
+    with serving(create_app()) as base:
+        page = Browser(base).open("/")
+    assert page.status == 200, page.body
+    body = html.unescape(page.body)
+    assert 'data-queue="default"' in body and "good-host" in body and "default:3" in body
+    for mark in shown:
+        assert mark in body, mark
