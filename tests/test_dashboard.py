@@ -644,3 +644,22 @@ def test_one_bad_worker_record_is_marked_and_the_rest_of_the_overview_shows(case
     assert 'data-queue="default"' in body and "good-host" in body and "default:3" in body
     for mark in shown:
         assert mark in body, mark
+
+
+def test_a_recorded_queue_name_not_utf8_is_marked_one_with_a_slash_not_linked_and_the_others_shown(
+    clean_env, namespace, rdb
+):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    rdb.sadd(keys.declared_queues(namespace), "default", b"caf\xe9", "a/b")
+    bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
+    bury(rdb, namespace, "a/b", "other", stored_dead_letter("other"))
+    mark = "(unreadable: name not UTF-8: b'caf\\xe9')"
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        overview, dead = browser.open("/"), browser.open("/dead-letters")
+    assert overview.status == 200 and dead.status == 200, (overview.body, dead.body)
+    row = re.search(r'<tr data-queue="default">(.*?)</tr>', overview.body, re.S)
+    assert row and ">1</a>" in row.group(1), overview.body
+    assert mark in html.unescape(overview.body) and mark in html.unescape(dead.body)
+    assert '/dead-letters/default">default</a></td><td class="n">1</td>' in dead.body
+    assert '<td>a/b</td><td class="n">1</td>' in dead.body

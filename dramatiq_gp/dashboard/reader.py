@@ -18,7 +18,7 @@ import redis
 
 from .. import deadletters, keys
 from ..settings import Settings
-from ..status import outbox_status, queue_counts, rabbitmq_queue_status, scheduler_status, unreadable
+from ..status import outbox_status, queue_counts, rabbitmq_queue_status, recorded_queues, scheduler_status, unreadable
 
 #: Minutes of throughput the overview shows.
 MINUTES = 15
@@ -82,14 +82,11 @@ class Reader:
     def pii(self) -> bool:
         return self.settings.sentry.send_default_pii
 
-    def queue_names(self) -> list[str]:
-        return sorted(_text(name) for name in self.client.smembers(keys.declared_queues(self.namespace)))
-
     def queues(self) -> list[dict[str, Any]]:
         """Per queue: ready, in flight, delayed and dead (on RabbitMQ, what AMQP tells)."""
         if self.on_rabbitmq:
             return rabbitmq_queue_status(self.settings.broker.urls(), self.client, self.namespace)
-        return queue_counts(self.client, self.namespace, self.queue_names())
+        return queue_counts(self.client, self.namespace, recorded_queues(self.client, self.namespace))
 
     def throughput(self, now_ms: int) -> dict[str, Any]:
         """Messages settled per minute over the last :data:`MINUTES`: per queue, and in all."""
@@ -145,14 +142,6 @@ class Reader:
         with self.engine.connect() as conn:
             status["failed"] = failed_events(conn, limit=limit)
         return status
-
-    def dead_letter_counts(self) -> list[dict[str, Any]]:
-        names = self.queue_names()
-        with self.client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.zcard(keys.dead(self.namespace, name))
-            counts = pipe.execute()
-        return [{"name": name, "dead": n} for name, n in zip(names, counts, strict=True)]
 
     def dead_letters(self, queue: str, offset: int, limit: int = PAGE) -> tuple[int, list[deadletters.DeadLetter]]:
         letters = deadletters.page(self.client, self.namespace, queue, offset=offset, limit=limit, pii=self.pii)
