@@ -298,14 +298,15 @@ def test_status_marks_a_queue_name_that_is_not_utf8_and_counts_the_others(clean_
     garbled = f"{namespace}:gr\xfcn.XQ.msgs".encode("latin-1")  # found by scanning: a key no worker wrote
     rdb.hset(garbled, "x", "{}")
 
-    def status(*args: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([sys.executable, "-m", "dramatiq_gp", "status", *args], capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+    def command(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
         assert (done.returncode, done.stderr) == (0, ""), done.stderr
         return done
 
     try:
-        lines, report = status().stdout.splitlines(), json.loads(status("--json").stdout)
+        lines, report = command("status").stdout.splitlines(), json.loads(command("status", "--json").stdout)
+        assert command("dlq", "list").stdout == "no dead letters in any queue\n"
     finally:
         rdb.delete(garbled)  # before the namespace's clean-up, whose client cannot decode its name
     assert "queue mail: 1 ready, 0 in flight, 0 delayed, 0 dead" in lines
