@@ -838,6 +838,9 @@ def status(as_json: bool) -> None:
         oldest = f" (oldest {box['oldest_pending_age_s']} s)" if box["oldest_pending_age_s"] is not None else ""
         click.echo(f"outbox: {box['pending']} pending{oldest}, {box['set_aside']} set aside")
     for queue in report["queues"]:
+        if queue["ready"] is None:  # its name is not UTF-8: marked
+            click.echo(f"queue {queue['name']}: not counted")
+            continue
         if queue["in_flight"] is None:  # RabbitMQ: what workers hold is not visible over AMQP
             click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['delayed']} delayed, "
                        f"{queue['dead']} dead, {queue['consumers']} consumers (RabbitMQ)")  # fmt: skip

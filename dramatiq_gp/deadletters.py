@@ -22,6 +22,7 @@ keeps its retry count: a message that used up its retries gets one more attempt.
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ import redis
 from . import keys
 from .brokers.base import DEAD_LETTER_REASON
 from .lua import scripts
+from .status import unreadable
 
 _SCRIPTS = scripts(__file__)
 
@@ -48,7 +50,7 @@ class DeadLetter:
     dead_at_ms: int
     message_id: str | None  #: None for bytes that never were a message (set aside as undecodable)
     task_type: str | None
-    attempts: int  #: the failed attempts (Dramatiq's ``retries`` as its last attempt left it)
+    attempts: int | str  #: the failed attempts (Dramatiq's ``retries`` as its last attempt left it), or its mark
     reason: str | None
     args: Any
     kwargs: Any
@@ -117,15 +119,17 @@ def _letter(queue: str, id: str, dead_at_ms: int, raw: bytes | str, pii: bool) -
     try:
         message = json.loads(raw)
         options = message["options"] if isinstance(message.get("options"), dict) else {}
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return DeadLetter(id, queue, dead_at_ms, None, None, 0, "cannot decode it (set aside as it came)",
                           FILTERED, FILTERED)  # fmt: skip
     reason = options.get(DEAD_LETTER_REASON)
     if reason is None and isinstance(options.get("traceback"), str):
         reason = _exception_line(options["traceback"])
+    retries = options.get("retries", 0)
+    # A message whose retries is no whole number was set aside as malformed: it still lists, marked.
+    attempts = retries if type(retries) is int else unreadable(f"retries={reprlib.repr(retries)}")
     return DeadLetter(
-        id, queue, dead_at_ms, _str(message.get("message_id")), _str(message.get("actor_name")),
-        int(options.get("retries") or 0), reason,
+        id, queue, dead_at_ms, _str(message.get("message_id")), _str(message.get("actor_name")), attempts, reason,
         message.get("args") if pii else FILTERED, message.get("kwargs") if pii else FILTERED,
     )  # fmt: skip
 
@@ -137,6 +141,8 @@ def _exception_line(traceback: str) -> str:
     link, and carries the statement and its parameters in between).
     """
     lines = traceback.rstrip().splitlines()
+    if not lines:
+        return unreadable("empty traceback")
     last_frame = max((i for i, line in enumerate(lines) if line.startswith('  File "')), default=-1)
     return next((line for line in lines[last_frame + 1 :] if line and not line.startswith(" ")), lines[-1])
 

@@ -25,6 +25,21 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def unreadable(reason: str) -> str:
+    """What shows in place of a record or field that cannot be read, so that the rest around it still shows."""
+    return f"(unreadable: {reason})"
+
+
+def _name(value: bytes | str) -> str:
+    """A queue's name as Redis holds it; one not UTF-8 keeps its bytes, as surrogates, for :func:`queue_counts`."""
+    return value.decode(errors="surrogateescape") if isinstance(value, bytes) else value
+
+
+def recorded_queues(client: redis.Redis, namespace: str) -> list[str]:
+    """The queues the workers recorded (``<ns>:gp:queues``), sorted, as :func:`queue_counts` takes them."""
+    return sorted(_name(name) for name in client.smembers(keys.declared_queues(namespace)))
+
+
 def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: datetime | None = None) -> dict[str, Any]:
     """The leader (host, pid, epoch, lease expiry) and each published entry's next and last fire."""
     now = now or datetime.now(UTC)
@@ -79,33 +94,49 @@ def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
 
     An empty queue has no keys to find; the recorded set still names it.
     """
-    names = {_text(name) for name in client.smembers(keys.declared_queues(namespace))}
+    names = set(recorded_queues(client, namespace))
     for key in client.scan_iter(keys.all_messages(namespace), count=1000):
-        name = _text(key)[len(namespace) + 1 : -len(keys.MESSAGES)]
+        name = _name(key)[len(namespace) + 1 : -len(keys.MESSAGES)]
         names.add(name.removesuffix(".DQ").removesuffix(".XQ"))
     for key in client.scan_iter(keys.all_dead(namespace), count=1000):
-        names.add(_text(key)[len(namespace) + 1 : -len(".XQ")])
+        names.add(_name(key)[len(namespace) + 1 : -len(".XQ")])
     return queue_counts(client, namespace, sorted(n for n in names if not n.startswith("__")))
 
 
 def queue_counts(client: redis.Redis, namespace: str, names: list[str]) -> list[dict[str, Any]]:
     """Per queue of ``names``: messages ready, in flight (fetched, not yet acked), delayed and dead-lettered.
 
-    Four O(1) commands per queue, all in one round trip.
+    Four O(1) commands per queue, all in one round trip. A name that is not UTF-8 is
+    marked, and not counted: no Dramatiq queue has one (its names are ASCII), so
+    something else wrote it.
     """
+    garbled = {name: _garbled(name) for name in names}
     with client.pipeline(transaction=False) as pipe:
         for name in names:
-            pipe.llen(keys.queue(namespace, name))
-            pipe.hlen(keys.messages(namespace, name))
-            pipe.hlen(keys.delay_messages(namespace, name))
-            pipe.zcard(keys.dead(namespace, name))
-        counts = pipe.execute()
+            if not garbled[name]:
+                pipe.llen(keys.queue(namespace, name))
+                pipe.hlen(keys.messages(namespace, name))
+                pipe.hlen(keys.delay_messages(namespace, name))
+                pipe.zcard(keys.dead(namespace, name))
+        counts = iter(pipe.execute())
     queues = []
-    for i, name in enumerate(names):
-        ready, stored, delayed, dead = counts[4 * i : 4 * i + 4]
+    for name in names:
+        if garbled[name]:
+            queues.append({"name": garbled[name], "ready": None, "in_flight": None, "delayed": None, "dead": None})
+            continue
+        ready, stored, delayed, dead = (next(counts) for _ in range(4))
         queues.append({"name": name, "ready": ready, "in_flight": max(stored - ready, 0), "delayed": delayed,
                        "dead": dead})  # fmt: skip
     return queues
+
+
+def _garbled(name: str) -> str:
+    """The mark of a queue name that is not UTF-8 (see :func:`_name`), or ""."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return unreadable(f"name not UTF-8: {name.encode(errors='surrogateescape')!r}")
+    return ""
 
 
 def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import socket
@@ -98,3 +99,28 @@ def dead(kit: gp.Kit, queue_name: str = "default") -> int:
     if isinstance(kit.broker, gp.RabbitmqBroker):
         return kit.broker.get_queue_message_counts(queue_name)[2]
     return int(kit.broker.client.zcard(keys.dead(kit.broker.namespace, queue_name)))
+
+
+def stored_dead_letter(id: str, args: str = '["c1"]', **options: Any) -> str:
+    """The message of dead letter ``id`` as Dramatiq's Redis broker stores it; ``args`` as JSON text (it may be
+    deeper than ``json.dumps`` goes)."""
+    options = {"redis_message_id": id, "retries": 1,
+               "traceback": 'Traceback (most recent call last):\n  File "x.py", line 1, in charge\n'
+                            "RuntimeError: the card was declined\n", **options}  # fmt: skip
+    return (f'{{"queue_name": "default", "actor_name": "charge", "args": {args}, "kwargs": {{}}, '
+            f'"options": {json.dumps(options)}, "message_id": "m-{id}", "message_timestamp": 0}}')  # fmt: skip
+
+
+def bury(client: Any, namespace: str, queue: str, id: str, stored: str | bytes) -> None:
+    """A dead letter ``id`` of ``queue`` stored as ``stored``, written straight into Redis."""
+    client.zadd(keys.dead(namespace, queue), {id: 1_700_000_000_000})
+    client.hset(keys.dead_messages(namespace, queue), id, stored)
+
+
+#: One bad dead letter per way each once broke its whole page: its Redis id, its stored message, what shows for it.
+BAD_DEAD_LETTERS = {
+    "too-deep": ("deep", stored_dead_letter("deep", "[" * 10_000 + "]" * 10_000), "cannot decode it"),
+    "retries-not-a-number": ("abc", stored_dead_letter("abc", retries="abc"), "(unreadable: retries='abc')"),
+    "empty-traceback": ("blank", stored_dead_letter("blank", traceback=""), "(unreadable: empty traceback)"),
+    "slash-in-id": ("a/b ?#%41", stored_dead_letter("a/b ?#%41"), "RuntimeError: the card was declined"),
+}

@@ -288,3 +288,32 @@ def test_outbox_replay_makes_one_set_aside_event_pending_again(make_kit, engine,
     assert [json.loads(line)["id"] for line in run("outbox", "failed", "--json").stdout.splitlines()] == [left]
     missing = run("outbox", "replay", again)  # pending now: not set aside
     assert (missing.exit_code, missing.output) == (1, f"Error: no set-aside event {again}\n")
+
+
+def test_status_marks_a_queue_name_that_is_not_utf8_and_counts_the_others(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    rdb.sadd(f"{namespace}:gp:queues", "mail", b"caf\xe9")
+    rdb.rpush(f"{namespace}:mail", "m1")
+    rdb.hset(f"{namespace}:mail.msgs", "m1", "{}")
+    garbled = f"{namespace}:gr\xfcn.XQ.msgs".encode("latin-1")  # found by scanning: a key no worker wrote
+    rdb.hset(garbled, "x", "{}")
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr
+        return done
+
+    try:
+        lines, report = command("status").stdout.splitlines(), json.loads(command("status", "--json").stdout)
+        assert command("dlq", "list").stdout == "no dead letters in any queue\n"
+    finally:
+        rdb.delete(garbled)  # before the namespace's clean-up, whose client cannot decode its name
+    assert "queue mail: 1 ready, 0 in flight, 0 delayed, 0 dead" in lines
+    assert "queue (unreadable: name not UTF-8: b'caf\\xe9'): not counted" in lines
+    assert "queue (unreadable: name not UTF-8: b'gr\\xfcn'): not counted" in lines
+    queues = {q["name"]: q for q in report["queues"]}
+    assert queues["(unreadable: name not UTF-8: b'caf\\xe9')"] == {
+        "name": "(unreadable: name not UTF-8: b'caf\\xe9')", "ready": None, "in_flight": None, "delayed": None,
+        "dead": None}  # fmt: skip
+    assert queues["mail"]["ready"] == 1

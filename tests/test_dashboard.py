@@ -6,6 +6,7 @@ The browser half, against the shop's worker, is in ``test_dashboard_browser.py``
 from __future__ import annotations
 
 import base64
+import html
 import http.cookiejar
 import json
 import logging
@@ -33,7 +34,7 @@ import dramatiq_gp as gp
 from devtools.asgi import serving
 from dramatiq_gp import deadletters, keys
 from dramatiq_gp.dashboard import Credentials, create_app
-from helpers import wait_for
+from helpers import BAD_DEAD_LETTERS, bury, stored_dead_letter, wait_for
 
 
 @dataclass
@@ -588,3 +589,77 @@ def test_a_basic_authorization_that_is_not_ascii_is_refused_not_a_server_error(c
             assert connection.getresponse().status == 401
         finally:
             connection.close()
+
+
+@pytest.mark.parametrize("case", BAD_DEAD_LETTERS)
+def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of_its_page_shows(
+    case, clean_env, namespace, rdb
+):
+    id, stored, shown = BAD_DEAD_LETTERS[case]
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
+    bury(rdb, namespace, "default", id, stored)
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        page = browser.open("/dead-letters/default")
+        assert page.status == 200, page.body
+        assert "m-good" in page.body and shown in html.unescape(page.body)
+        (link,) = [html.unescape(href) for href in re.findall(r'<td><a href="([^"]+)">', page.body)
+                   if not href.endswith("/good")]  # fmt: skip
+        one = browser.open(urllib.parse.urlsplit(link).path)
+        assert one.status == 200, one.body
+        assert shown in html.unescape(one.body) and f"<code>{html.escape(id)}</code>" in one.body
+        token = browser.csrf("/dead-letters/default")
+        done = browser.open("/dead-letters/default/requeue", {"csrf": token, "id": id, "confirmed": "yes"})
+        assert "1 dead letter(s) of queue default requeued" in done.body
+    assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
+    assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == [id]
+
+
+#: Worker records no worker of this version writes, and what the overview shows for each.
+BAD_WORKERS = {
+    "not-json": ("w-bad", b"{not json", ["(unreadable: not JSON)"]),
+    "not-an-object": ("w-bad", b"[1, 2]", ["(unreadable: not a JSON object)"]),
+    "wrong-types": ("w-bad", json.dumps({"host": 7, "pid": "abc", "started_ms": "soon", "queues": 5,
+                                         "weights": [1], "strict": "yes"}),
+                    ["(unreadable: host=7)", "(unreadable: pid='abc')", "(unreadable: started_ms='soon')",
+                     "(unreadable: queues=5)", "(unreadable: weights=[1])"]),
+    "id-not-utf8": (b"w-\xff", json.dumps({"host": "odd", "pid": 9, "queues": ["default"]}), ["odd"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_WORKERS)
+def test_one_bad_worker_record_is_marked_and_the_rest_of_the_overview_shows(case, clean_env, namespace, rdb):
+    broker_id, record, shown = BAD_WORKERS[case]
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    now = dramatiq.common.current_millis()
+    rdb.zadd(keys.heartbeats(namespace), {"w-good": now, broker_id: now})
+    good = {"host": "good-host", "pid": 4242, "started_ms": now, "queues": ["default"], "weights": {"default": 3}}
+    rdb.hset(keys.workers(namespace), mapping={"w-good": json.dumps(good), broker_id: record})
+    rdb.sadd(keys.declared_queues(namespace), "default")
+    with serving(create_app()) as base:
+        page = Browser(base).open("/")
+    assert page.status == 200, page.body
+    body = html.unescape(page.body)
+    assert 'data-queue="default"' in body and "good-host" in body and "default:3" in body
+    for mark in shown:
+        assert mark in body, mark
+
+
+def test_a_recorded_queue_name_not_utf8_is_marked_one_with_a_slash_not_linked_and_the_others_shown(
+    clean_env, namespace, rdb
+):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    rdb.sadd(keys.declared_queues(namespace), "default", b"caf\xe9", "a/b")
+    bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
+    bury(rdb, namespace, "a/b", "other", stored_dead_letter("other"))
+    mark = "(unreadable: name not UTF-8: b'caf\\xe9')"
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        overview, dead = browser.open("/"), browser.open("/dead-letters")
+    assert overview.status == 200 and dead.status == 200, (overview.body, dead.body)
+    row = re.search(r'<tr data-queue="default">(.*?)</tr>', overview.body, re.S)
+    assert row and ">1</a>" in row.group(1), overview.body
+    assert mark in html.unescape(overview.body) and mark in html.unescape(dead.body)
+    assert '/dead-letters/default">default</a></td><td class="n">1</td>' in dead.body
+    assert '<td>a/b</td><td class="n">1</td>' in dead.body

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from click.testing import CliRunner, Result
 import dramatiq_gp as gp
 from dramatiq_gp import deadletters, keys
 from dramatiq_gp.cli import main
-from helpers import wait_for
+from helpers import BAD_DEAD_LETTERS, bury, stored_dead_letter, wait_for
 
 
 def run(*args: str) -> Result:
@@ -156,3 +158,26 @@ def test_a_command_closes_its_redis_connection_even_when_it_fails(rdb, namespace
         return [client for client in rdb.client_list() if client["id"] not in before]
 
     wait_for(lambda: opened_by_the_command() == [], timeout=2)
+
+
+def _command(*args: str) -> subprocess.CompletedProcess[str]:
+    """``dramatiq-gp`` in a process of its own: what a shell sees, tracebacks included."""
+    return subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("case", BAD_DEAD_LETTERS)
+def test_one_bad_dead_letter_is_marked_in_list_and_show_and_the_others_listed(case, rdb, namespace, clean_env):
+    id, stored, shown = BAD_DEAD_LETTERS[case]
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
+    bury(rdb, namespace, "default", id, stored)
+    rdb.sadd(keys.declared_queues(namespace), "default")
+    listed, as_json = _command("dlq", "list"), _command("dlq", "list", "default", "--json")
+    one = _command("dlq", "show", "default", id)
+    for done in (listed, as_json, one):
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert "queue default: 2 dead letter(s)" in listed.stdout and "message m-good" in listed.stdout
+    assert f"{id}  " in listed.stdout and shown in listed.stdout
+    letters = {letter["id"]: letter for letter in map(json.loads, as_json.stdout.splitlines())}
+    assert sorted(letters) == sorted(["good", id]) and letters["good"]["reason"].startswith("RuntimeError")
+    assert shown in json.dumps(letters[id]) and json.loads(one.stdout) == letters[id]

@@ -82,7 +82,10 @@ class _Dashboard:
             iso=_iso,
             tojson_pretty=lambda v: json.dumps(v, indent=2),
             duration=lambda seconds: format_duration(timedelta(seconds=seconds)),
+            thousands=lambda n: "—" if n is None else f"{n:,}",
         )
+        # Only a queue name leads to a page of its dead letters (a name with a '/' did not even make a link).
+        self.templates.env.tests["queue_name"] = lambda name: bool(QUEUE_NAME.fullmatch(name))
 
     def render(self, request: Request, name: str, **context: Any) -> Response:
         flash = request.cookies.get(FLASH_COOKIE)
@@ -108,7 +111,7 @@ class _Dashboard:
         return self.render(request, "outbox.html", page="outbox", outbox=self.reader.outbox())
 
     def dead_letter_queues(self, request: Request) -> Response:
-        queues = [] if self.reader.on_rabbitmq else self.reader.dead_letter_counts()
+        queues = [] if self.reader.on_rabbitmq else self.reader.queues()
         return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=queues)
 
     def dead_letters(self, request: Request) -> Response:
@@ -325,7 +328,7 @@ def create_app(
         Route("/dead-letters/{queue}", d.dead_letters, name="dead_letters"),
         Route("/dead-letters/{queue}/requeue", d.requeue, methods=["POST"], name="requeue"),
         Route("/dead-letters/{queue}/purge", d.purge, methods=["POST"], name="purge"),
-        Route("/dead-letters/{queue}/{id}", d.dead_letter, name="dead_letter"),
+        Route("/dead-letters/{queue}/{id:path}", d.dead_letter, name="dead_letter"),  # a Redis id may hold a '/'
         Route("/failures", d.failures, name="failures"),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]

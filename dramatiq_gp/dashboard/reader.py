@@ -10,6 +10,7 @@ the keyspace. An overview is four round trips, a page of dead letters three.
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import redis
 
 from .. import deadletters, keys
 from ..settings import Settings
-from ..status import outbox_status, queue_counts, rabbitmq_queue_status, scheduler_status
+from ..status import outbox_status, queue_counts, rabbitmq_queue_status, recorded_queues, scheduler_status, unreadable
 
 #: Minutes of throughput the overview shows.
 MINUTES = 15
@@ -27,8 +28,34 @@ LIVE_MS = 60_000
 PAGE = 50
 
 
+#: What a worker process records (see ``KitBroker.register_consumer``): the type of each field.
+WORKER_FIELDS = {"host": str, "pid": int, "started_ms": int, "queues": list, "weights": dict}
+
+
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    # Bytes no worker wrote (not UTF-8) show escaped, rather than fail the page.
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
+
+
+def _worker(broker_id: Any, beat_ms: int, record: Any) -> dict[str, Any]:
+    """A worker process as the overview shows it: a record, or a field, of another shape (written by hand, by
+    another version) is marked in its place."""
+    worker = {"id": _text(broker_id), "beat_ms": beat_ms, "host": None, "pid": None, "started_ms": None,
+              "queues": [], "weights": None, "strict": False}  # fmt: skip
+    try:
+        recorded = json.loads(record) if record is not None else {}
+    except (ValueError, RecursionError):
+        return {**worker, "host": unreadable("not JSON")}
+    if not isinstance(recorded, dict):
+        return {**worker, "host": unreadable("not a JSON object")}
+    for field, kind in WORKER_FIELDS.items():
+        value = recorded.get(field)
+        if value is not None:
+            # bool is an int to isinstance, not to a reader of pids
+            readable = isinstance(value, kind) and not isinstance(value, bool)
+            worker[field] = value if readable else unreadable(f"{field}={reprlib.repr(value)}")
+    worker["strict"] = bool(recorded.get("strict"))
+    return worker
 
 
 @dataclass
@@ -55,14 +82,11 @@ class Reader:
     def pii(self) -> bool:
         return self.settings.sentry.send_default_pii
 
-    def queue_names(self) -> list[str]:
-        return sorted(_text(name) for name in self.client.smembers(keys.declared_queues(self.namespace)))
-
     def queues(self) -> list[dict[str, Any]]:
         """Per queue: ready, in flight, delayed and dead (on RabbitMQ, what AMQP tells)."""
         if self.on_rabbitmq:
             return rabbitmq_queue_status(self.settings.broker.urls(), self.client, self.namespace)
-        return queue_counts(self.client, self.namespace, self.queue_names())
+        return queue_counts(self.client, self.namespace, recorded_queues(self.client, self.namespace))
 
     def throughput(self, now_ms: int) -> dict[str, Any]:
         """Messages settled per minute over the last :data:`MINUTES`: per queue, and in all."""
@@ -89,21 +113,14 @@ class Reader:
             pipe.zrangebyscore(keys.heartbeats(self.namespace), now_ms - LIVE_MS, "+inf", withscores=True)
             pipe.hgetall(keys.workers(self.namespace))
             beats, records = pipe.execute()
-        recorded = {_text(k): json.loads(v) for k, v in records.items()}
-        workers = []
-        for broker_id, beat in beats:
-            worker = recorded.get(_text(broker_id), {})
-            workers.append({"id": _text(broker_id), "beat_ms": int(beat), "host": worker.get("host"),
-                            "pid": worker.get("pid"), "started_ms": worker.get("started_ms"),
-                            "queues": worker.get("queues", []), "weights": worker.get("weights"),
-                            "strict": worker.get("strict", False)})  # fmt: skip
-        return sorted(workers, key=lambda w: (str(w["host"]), w["pid"] or 0))
+        workers = [_worker(broker_id, int(beat), records.get(broker_id)) for broker_id, beat in beats]
+        return sorted(workers, key=lambda w: (str(w["host"]), w["pid"] if isinstance(w["pid"], int) else 0))
 
     def overview(self, now_ms: int) -> dict[str, Any]:
         workers = self.workers(now_ms)
         weights: dict[str, Any] = {}
         for worker in workers:
-            for queue, weight in (worker["weights"] or {}).items():
+            for queue, weight in (worker["weights"] if isinstance(worker["weights"], dict) else {}).items():
                 weights.setdefault(queue, {"weight": weight, "strict": worker["strict"]})
         return {
             "queues": self.queues(),
@@ -125,14 +142,6 @@ class Reader:
         with self.engine.connect() as conn:
             status["failed"] = failed_events(conn, limit=limit)
         return status
-
-    def dead_letter_counts(self) -> list[dict[str, Any]]:
-        names = self.queue_names()
-        with self.client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.zcard(keys.dead(self.namespace, name))
-            counts = pipe.execute()
-        return [{"name": name, "dead": n} for name, n in zip(names, counts, strict=True)]
 
     def dead_letters(self, queue: str, offset: int, limit: int = PAGE) -> tuple[int, list[deadletters.DeadLetter]]:
         letters = deadletters.page(self.client, self.namespace, queue, offset=offset, limit=limit, pii=self.pii)
