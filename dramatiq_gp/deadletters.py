@@ -4,15 +4,17 @@ A queue's dead letters are Dramatiq's: ``<ns>:<queue>.XQ``, a sorted set of Redi
 message ids scored by when each died, and ``<ns>:<queue>.XQ.msgs``, their messages
 (see :mod:`dramatiq_gp.keys`). Every read here is bounded by the page asked for
 (``ZREVRANGE`` and ``HMGET``), never by how many there are, so a queue with
-100,000 dead letters pages as fast as one with ten.
+100,000 dead letters pages as fast as one with ten. Only finding one by its
+message id rather than its Redis id reads them all (a page at a time).
 
 A dead letter is shown by its Redis message id (the handle ``show`` and ``requeue``
-take), with its message id, task type, retries, age and why it died: the reason
-the kit gave it (``gp_dead_letter_reason``: an unknown task type, a malformed
-message) or the exception its last attempt raised (the broker keeps the dead
-letter as that attempt left it, with Dramatiq's traceback). Its arguments may
-hold personal data, so they are shown only when asked for with ``pii=True``
-(``SENTRY_SEND_DEFAULT_PII``, the rule Sentry follows), and ``[Filtered]`` otherwise.
+take; they take its message id too, :func:`resolve`), with its message id, task
+type, retries, age and why it died: the reason the kit gave it
+(``gp_dead_letter_reason``: an unknown task type, a malformed message) or the
+exception its last attempt raised (the broker keeps the dead letter as that attempt
+left it, with Dramatiq's traceback). Its arguments may hold personal data, so they
+are shown only when asked for with ``pii=True`` (``SENTRY_SEND_DEFAULT_PII``, the
+rule Sentry follows), and ``[Filtered]`` otherwise.
 
 Requeuing moves a dead letter back to the end of its queue as it is, with its
 message id, so idempotent execution still skips it if a copy already completed. It
@@ -80,14 +82,48 @@ def page(client: redis.Redis, namespace: str, queue: str, *, offset: int = 0, li
 
 
 def get(client: redis.Redis, namespace: str, queue: str, id: str, *, pii: bool = False) -> DeadLetter | None:
-    """The dead letter ``id`` of ``queue``, or None."""
+    """The dead letter ``id`` of ``queue`` (its Redis id, or the message id its producer got back), or None."""
+    for redis_id in resolve(client, namespace, queue, [id]):
+        with client.pipeline(transaction=False) as pipe:
+            pipe.zscore(keys.dead(namespace, queue), redis_id)
+            pipe.hget(keys.dead_messages(namespace, queue), redis_id)
+            score, raw = pipe.execute()
+        if score is not None and raw is not None:
+            return _letter(queue, redis_id, int(score), raw, pii)
+    return None
+
+
+def resolve(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str]) -> list[str]:
+    """The Redis ids of the dead letters ``ids`` names: each a Redis id, or a message id.
+
+    A dead letter is stored under the Redis id of the copy that died, which is not
+    the one its producer got back once it was retried, held for an unknown task
+    type or moved from a delay queue: each of those is a new copy with a new Redis
+    id. Its message id stays the same through all of them, so an id that is not a
+    Redis id is looked for as a message id, in one pass over the queue's dead
+    letters (``HSCAN``, a page at a time: Redis is never blocked for the whole set).
+    """
+    if not ids:
+        return []
     with client.pipeline(transaction=False) as pipe:
-        pipe.zscore(keys.dead(namespace, queue), id)
-        pipe.hget(keys.dead_messages(namespace, queue), id)
-        score, raw = pipe.execute()
-    if score is None or raw is None:
-        return None
-    return _letter(queue, id, int(score), raw, pii)
+        for id in ids:
+            pipe.zscore(keys.dead(namespace, queue), id)
+        found = pipe.execute()
+    known = [id for id, score in zip(ids, found, strict=True) if score is not None]
+    wanted = {id for id, score in zip(ids, found, strict=True) if score is None}
+    if not wanted:
+        return known
+    for member, raw in client.hscan_iter(keys.dead_messages(namespace, queue), count=1000):
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        if not any(id in text for id in wanted):  # most are not: no JSON decode for them
+            continue
+        try:
+            message_id = json.loads(text).get("message_id")
+        except (ValueError, RecursionError, AttributeError):
+            continue
+        if message_id in wanted:
+            known.append(_text(member))
+    return known
 
 
 def requeue(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str] | None = None) -> int:
@@ -96,6 +132,7 @@ def requeue(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str] 
     touched = [keys.dead(namespace, queue), keys.dead_messages(namespace, queue), keys.queue(namespace, queue),
                keys.messages(namespace, queue)]  # fmt: skip
     if ids is not None:
+        ids = resolve(client, namespace, queue, ids)
         return sum(int(script(keys=touched, args=list(ids[i : i + REQUEUE_BATCH])))
                    for i in range(0, len(ids), REQUEUE_BATCH))  # fmt: skip
     moved = 0

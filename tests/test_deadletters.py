@@ -94,6 +94,32 @@ def test_a_requeued_dead_letter_runs_again_with_its_message_id(make_kit, start_w
     assert deadletters.count(client, namespace, "default") == 0
 
 
+def test_a_dead_letter_is_shown_and_requeued_by_the_message_id_its_producer_got_back(
+    make_kit, start_worker, clean_env, namespace
+):
+    """Held for an unknown task type, it died as a copy under a new Redis id: its message id finds it."""
+    kit = make_kit(env={"WORKER_UNKNOWN_TASK_GRACE": "300ms"})
+    dramatiq.actor(lambda: None, broker=kit.broker, actor_name="known")
+    sent = kit.broker.enqueue(dramatiq.Message(queue_name="default", actor_name="gone", args=(1,), kwargs={},
+                                               options={}))  # fmt: skip
+    start_worker(kit)
+    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    _bury(kit.broker.client, namespace, "default", 3)  # others, for the lookup to pass over
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+
+    shown = run("dlq", "show", "default", sent.message_id)
+    assert shown.exit_code == 0, shown.output
+    letter = json.loads(shown.stdout)
+    assert letter["message_id"] == sent.message_id and letter["task_type"] == "gone"
+    assert letter["id"] != sent.options["redis_message_id"]  # the copy that died
+    assert run("dlq", "show", "default", letter["id"]).stdout == shown.stdout
+    missing = run("dlq", "show", "default", str(uuid.uuid4()))
+    assert missing.exit_code == 1 and "no dead letter" in missing.output
+    done = run("dlq", "requeue", "default", sent.message_id)
+    assert (done.exit_code, done.stdout) == (0, "1 dead letter(s) of queue default requeued\n")
+    assert deadletters.get(kit.broker.client, namespace, "default", sent.message_id) is None
+
+
 def _bury(client: redis.Redis, namespace: str, queue: str, count: int) -> list[str]:
     """``count`` dead letters in ``queue``'s dead-letter set as Dramatiq leaves them, the oldest first."""
     ids = [f"dead-{n:05d}-{uuid.uuid4().hex[:6]}" for n in range(count)]

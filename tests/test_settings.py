@@ -433,8 +433,17 @@ def test_a_password_in_the_query_of_a_url_never_shows_where_the_url_is_printed(c
         ("SENTRY_DSN", "https://hunter2@o1.ingest.sentry.io/", "SENTRY_DSN is not a valid Sentry DSN (Invalid project"),
         ("SENTRY_DSN", "o1.ingest.sentry.io/2", "SENTRY_DSN is not a valid Sentry DSN (Unsupported scheme"),
     ],
-    ids=["redis-port", "redis-port-range", "redis-ipv6", "redis-db", "amqp-port", "db-port", "db-garbage",
-         "sentry-project", "sentry-scheme"],  # fmt: skip
+    ids=[
+        "redis-port",
+        "redis-port-range",
+        "redis-ipv6",
+        "redis-db",
+        "amqp-port",
+        "db-port",
+        "db-garbage",
+        "sentry-project",
+        "sentry-scheme",
+    ],
 )
 def test_a_malformed_url_is_one_configuration_error_naming_the_variable_never_the_password(env, variable, url, error):
     # These gave a 40-line traceback from the library that first read them, at start-up or in the CLI.

@@ -239,3 +239,21 @@ def test_a_message_naming_a_running_messages_redis_id_is_set_aside_and_leaves_th
     assert "redis_message_id is not the id it is stored under" in line and "impostor" in line
     release.set()
     wait_for(lambda: done == [1] and not rdb.hexists(f"{namespace}:default.msgs", rid))
+
+
+def test_join_counts_a_message_behind_any_number_of_held_ones_and_nothing_else(make_kit, rdb, namespace):
+    """Each poll stops at the first message that counts; held messages are skipped, however many."""
+    kit = make_kit()
+    held = _orphan("listener:test.unknown.known:later").copy(options={"gp_unknown_since": 1})
+    stored, delayed = f"{namespace}:default.msgs", f"{namespace}:default.DQ.msgs"
+    rdb.hset(delayed, mapping={f"held-{n}": held.encode().decode() for n in range(1_000)})
+    kit.broker.join("default", timeout=2_000)  # held alone: nothing to wait for
+
+    for where, id in ((stored, "plain"), (delayed, "plain-delayed")):
+        rdb.hset(where, id, _raw("noop").decode())
+        with pytest.raises(dramatiq.errors.QueueJoinTimeout):
+            kit.broker.join("default", timeout=300)
+        rdb.hdel(where, id)
+    rdb.hset(stored, "garbage", b"\x00not json")  # undecodable: it counts until it is set aside
+    with pytest.raises(dramatiq.errors.QueueJoinTimeout):
+        kit.broker.join("default", timeout=300)
