@@ -53,10 +53,12 @@ worker of that version runs (the web application deployed first). It reports:
 * ``listener_deliveries_missed``: for every committed ``soak.parcel`` event, each
   listener that was live when it committed (the first replica of the version that
   added it had started, and the last one having it had not stopped more than
-  :data:`GONE_MARGIN_S` earlier) and has no delivery of it, nor a copy in the
-  dead-letter set; ``listener_deliveries_dead_lettered``: those that are there, held
-  and skipped because the last worker with their listener stopped first (a copy a
-  ``kill -9``'d worker held comes back after the 60 s heartbeat timeout on Redis);
+  :data:`GONE_MARGIN_S` earlier) and has no delivery of it, nor a copy still stored;
+  ``listener_deliveries_dead_lettered`` and ``listener_deliveries_held``: those whose
+  copy is in the dead-letter set, or still held in a queue or delay queue at the end
+  (``WORKER_UNKNOWN_TASK_GRACE``), because the last worker with their listener stopped
+  first (a copy a ``kill -9``'d worker held comes back after the 60 s heartbeat
+  timeout on Redis);
   ``duplicate_effects`` counts their deliveries applied twice too;
   ``retired_listener_skipped``: copies fanned out to a listener after its last
   worker stopped, held and skipped into the dead-letter set.
@@ -355,18 +357,19 @@ class Soak:
         delivered: dict[str, set[int]] = {}
         for listener, order_id, _runs in rows:
             delivered.setdefault(listener, set()).add(order_id)
-        dead = self._dead_parcel_deliveries()
+        parked = self._parked_parcel_deliveries()
         missed: dict[str, int] = {}
-        set_aside = 0
+        set_aside = held = 0
         detail = []
         for name, live_from in self.live_from.items():
             gone = self.gone_at.get(name, float("inf"))
             owed = {order for order, at in self.committed_at.items() if live_from <= at < gone - GONE_MARGIN_S}
             undelivered = owed - delivered.get(name, set())
-            # Held and skipped, with the reason, once no worker had the listener any more: not lost.
-            skipped = {order for order in undelivered if (name, order) in dead}
-            set_aside += len(skipped)
-            missing = sorted(undelivered - skipped)
+            # Held, then skipped with the reason, once no worker had the listener any more: not lost.
+            kept = {order: parked[(name, order)] for order in undelivered if (name, order) in parked}
+            set_aside += sum(where == "dead" for where in kept.values())
+            held += sum(where == "held" for where in kept.values())
+            missing = sorted(undelivered - kept.keys())
             missed[name] = len(missing)
             for order in missing[:5]:
                 at = self.committed_at[order]
@@ -385,31 +388,35 @@ class Soak:
             "listener_deliveries_missed_by_listener": missed,
             "listener_deliveries_missed_detail": detail,
             "listener_deliveries_dead_lettered": set_aside,
+            "listener_deliveries_held": held,
             "listener_deliveries": len(rows),
             "listener_duplicate_effects": sum(runs - 1 for _, _, runs in rows),
         }
 
-    def _dead_parcel_deliveries(self) -> set[tuple[str, int]]:
-        """(listener, order) of every ``soak.parcel`` listener message in a dead-letter set or queue."""
-        found: set[tuple[str, int]] = set()
+    def _parked_parcel_deliveries(self) -> dict[tuple[str, int], str]:
+        """(listener, order) of every ``soak.parcel`` listener message still stored at the end: ``"dead"`` in a
+        dead-letter set or queue, ``"held"`` in a queue or delay queue (held for a task type no worker has)."""
+        found: dict[tuple[str, int], str] = {}
 
-        def note(data: bytes) -> None:
+        def note(data: bytes, where: str) -> None:
             try:
                 message = json.loads(data)
             except (ValueError, RecursionError):  # the soak's own garbage, set aside as it came
                 return
             prefix = "listener:soak.parcel:"
             if isinstance(message, dict) and str(message.get("actor_name", "")).startswith(prefix):
-                found.add((message["actor_name"][len(prefix) :], message["args"][0]["data"]["order_id"]))
+                key = (message["actor_name"][len(prefix) :], message["args"][0]["data"]["order_id"])
+                found[key] = "dead" if where == "dead" or found.get(key) == "dead" else "held"
 
         if self.rabbitmq is None:
             import redis
 
             client = redis.Redis.from_url(self.redis.url)
             try:
-                for key in client.scan_iter(f"{self.namespace}:*.XQ.msgs"):
+                for key in client.scan_iter(f"{self.namespace}:*.msgs"):
+                    where = "dead" if key.endswith(b".XQ.msgs") else "held"
                     for data in client.hvals(key):
-                        note(data)
+                        note(data, where)
             finally:
                 client.close()
             return found
@@ -418,11 +425,12 @@ class Soak:
         connection = pika.BlockingConnection([pika.URLParameters(url) for url in self.rabbitmq.urls])
         try:
             channel = connection.channel()
-            while True:  # read without acking: closing the channel puts every one back
-                method, _properties, body = channel.basic_get("default.XQ")
-                if method is None:
-                    break
-                note(body)
+            for queue, where in (("default.XQ", "dead"), ("default.DQ", "held"), ("default", "held")):
+                while True:  # read without acking: closing the channel puts every one back
+                    method, _properties, body = channel.basic_get(queue)
+                    if method is None:
+                        break
+                    note(body, where)
         finally:
             connection.close()
         return found
