@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import shutil
 import socket
 import stat
@@ -124,6 +125,33 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_ports_given: set[int] = set()
+
+
+def server_port() -> int:
+    """A free port for a server that may restart on it, never given before by this process.
+
+    Below the kernel's ephemeral range: a port the kernel gave out (``bind`` to 0) can be
+    taken, while its server is down, as the source port of any outgoing connection, and
+    the restart then fails with ``eaddrinuse`` (it ended a soak's RabbitMQ node restart).
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    while True:
+        port = random.randrange(10_000, low) if low > 11_000 else free_port()
+        if port in _ports_given:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
+
+
 def _runs(user: str, *command: str) -> bool:
     """Whether ``command`` succeeds as ``user``: the one true test of what that user can reach."""
     try:
@@ -215,7 +243,7 @@ class PostgresCluster:
 
     def __init__(self, directory: Path | None = None) -> None:
         self.bin, self.user = postgres_programs()
-        self.port = free_port()
+        self.port = server_port()
         self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
         self._remove: weakref.finalize[[Path, str | None, Path], PostgresCluster] | None = None
         if directory is not None:

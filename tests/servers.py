@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 
-from devtools.services import PostgresCluster, free_port
+from devtools.services import PostgresCluster, server_port
 
 
 def _until_up(check: Callable[[], object], error: type[Exception], timeout: float = 10) -> None:
@@ -49,7 +49,7 @@ class OwnRedis:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.port = free_port()
+        self.port = server_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
         directory.mkdir(parents=True, exist_ok=True)
@@ -144,18 +144,9 @@ def rabbitmq_ctl(*args: str) -> str:
     return _ctl(LOCAL_NODE, *args).stdout
 
 
-_ports_given: set[int] = set()
-
-
 def _free_ports(count: int) -> list[int]:
-    """``count`` free ports, none given before by this process (three nodes take six)."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = free_port()
-        if port not in _ports_given:
-            _ports_given.add(port)
-            ports.append(port)
-    return ports
+    """``count`` ports for servers that restart on them, none given twice (three nodes take six)."""
+    return [server_port() for _ in range(count)]
 
 
 def _alive(pid: int) -> bool:
