@@ -830,7 +830,10 @@ def status(as_json: bool) -> None:
         click.echo(f"scheduler {scheduler['namespace']}: leader {who}")
         for entry in scheduler["entries"]:
             line = f"  {entry['name']}  {entry['trigger']} ({entry['zone']})"
-            paused = f"  paused by {entry['paused']['by']} at {entry['paused']['at']}" if entry["paused"] else ""
+            paused = entry["paused"]
+            if isinstance(paused, dict):
+                paused = f"by {paused['by']} at {paused['at']}"
+            paused = f"  paused {paused}" if paused else ""  # a mark when who paused it cannot be read
             last = entry["last_fired"] or "never"
             click.echo(f"{line}  next {entry['next_fire'] or 'none'}  last {last}{paused}")
     if report["outbox"] is not None:

@@ -34,7 +34,15 @@ import dramatiq_gp as gp
 from devtools.asgi import serving
 from dramatiq_gp import deadletters, keys
 from dramatiq_gp.dashboard import Credentials, create_app
-from helpers import BAD_DEAD_LETTERS, bury, stored_dead_letter, wait_for
+from helpers import (
+    BAD_DEAD_LETTERS,
+    BAD_SCHEDULER,
+    bury,
+    publish_schedule,
+    spoil_schedule,
+    stored_dead_letter,
+    wait_for,
+)
 
 
 @dataclass
@@ -614,6 +622,18 @@ def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of
         assert "1 dead letter(s) of queue default requeued" in done.body
     assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
     assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == [id]
+
+
+@pytest.mark.parametrize("case", BAD_SCHEDULER)
+def test_one_bad_scheduler_record_is_marked_and_the_rest_of_the_scheduler_page_shows(case, clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    shown = spoil_schedule(rdb, publish_schedule(rdb, namespace), case)
+    with serving(create_app()) as base:
+        page = Browser(base).open("/scheduler")
+    assert page.status == 200, page.body
+    body = html.unescape(page.body)
+    assert shown in body
+    assert 'data-entry="good"' in body and 'data-entry="odd"' in body and "epoch 7" in body
 
 
 #: Worker records no worker of this version writes, and what the overview shows for each.

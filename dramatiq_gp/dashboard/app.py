@@ -52,8 +52,12 @@ def _when(ms: int | None) -> str:
 
 
 def _iso(text: str) -> str:
-    """An ISO time to the second, as the page shows times (the zone's offset kept)."""
-    return datetime.fromisoformat(text).isoformat(timespec="seconds")
+    """An ISO time to the second, as the page shows times (the zone's offset kept); other text (a mark, a time
+    a worker wrote otherwise) as it is."""
+    try:
+        return datetime.fromisoformat(text).isoformat(timespec="seconds")
+    except ValueError:
+        return text
 
 
 def _age(ms: int | None) -> str:
@@ -81,7 +85,10 @@ class _Dashboard:
             age=_age,
             iso=_iso,
             tojson_pretty=lambda v: json.dumps(v, indent=2),
-            duration=lambda seconds: format_duration(timedelta(seconds=seconds)),
+            # A field of the catch-up policy that cannot be read is its mark (see status.unreadable): as it is.
+            duration=lambda seconds: (
+                seconds if isinstance(seconds, str) else format_duration(timedelta(seconds=seconds))
+            ),
             thousands=lambda n: "—" if n is None else f"{n:,}",
         )
         # Only a queue name leads to a page of its dead letters (a name with a '/' did not even make a link).
