@@ -636,6 +636,28 @@ def test_one_bad_scheduler_record_is_marked_and_the_rest_of_the_scheduler_page_s
     assert 'data-entry="good"' in body and 'data-entry="odd"' in body and "epoch 7" in body
 
 
+#: Recorded failures no worker of this version writes, and what the page shows for each.
+BAD_FAILURES = {
+    "not-json": (b"{not json", "(unreadable: not JSON)"),
+    "not-an-object": (b"[1, 2]", "(unreadable: not a JSON object)"),
+    "time-not-a-number": (json.dumps({"at_ms": "soon", "queue": "mail", "error": "KeyError: 'x'"}),
+                          "(unreadable: at_ms='soon')"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_FAILURES)
+def test_one_bad_failure_record_is_marked_and_the_others_listed(case, clean_env, namespace, rdb):
+    record, shown = BAD_FAILURES[case]
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    good = {"at_ms": dramatiq.common.current_millis(), "queue": "default", "task_type": "charge",
+            "message_id": "m-good", "attempt": 1, "will_retry": True, "error": "RuntimeError: declined"}  # fmt: skip
+    rdb.lpush(keys.failures(namespace), json.dumps(good), record)
+    with serving(create_app()) as base:
+        page = Browser(base).open("/failures")
+    assert page.status == 200, page.body
+    assert shown in html.unescape(page.body) and "m-good" in page.body and "RuntimeError: declined" in page.body
+
+
 #: Worker records no worker of this version writes, and what the overview shows for each.
 BAD_WORKERS = {
     "not-json": ("w-bad", b"{not json", ["(unreadable: not JSON)"]),
