@@ -658,6 +658,21 @@ def test_one_bad_failure_record_is_marked_and_the_others_listed(case, clean_env,
     assert shown in html.unescape(page.body) and "m-good" in page.body and "RuntimeError: declined" in page.body
 
 
+def test_a_throughput_field_of_another_kind_or_count_is_passed_over_and_the_rest_counted(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    now = dramatiq.common.current_millis()
+    rdb.sadd(keys.declared_queues(namespace), "default")
+    rdb.hset(keys.throughput(namespace, now // 60_000), mapping={
+        "default:done": 30, "default:dead": 3, "default:skipped": 4, "default:retried": "abc", "nokind": 5,
+    })  # fmt: skip
+    with serving(create_app()) as base:
+        page = Browser(base).open("/")
+    assert page.status == 200, page.body
+    throughput = gp.dashboard.reader.Reader(gp.Settings.from_env(), rdb).throughput(now)
+    assert throughput["per_queue"] == {"default": {"done": 30, "retried": 0, "dead": 3}}
+    assert throughput["total"][-1] == {"done": 30, "retried": 0, "dead": 3}
+
+
 #: Worker records no worker of this version writes, and what the overview shows for each.
 BAD_WORKERS = {
     "not-json": ("w-bad", b"{not json", ["(unreadable: not JSON)"]),

@@ -63,6 +63,13 @@ def _worker(broker_id: Any, beat_ms: int, record: Any) -> dict[str, Any]:
     return worker
 
 
+def _count(value: Any) -> int | None:
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
 @dataclass
 class Reader:
     """The reads behind each page, for one deployment's settings."""
@@ -106,8 +113,13 @@ class Reader:
             row = {"done": 0, "retried": 0, "dead": 0}
             for field, n in counts.items():
                 queue, _, kind = _text(field).rpartition(":")
-                row[kind] = row.get(kind, 0) + int(n)
-                per_queue.setdefault(queue, {"done": 0, "retried": 0, "dead": 0})[kind] += int(n)
+                settled = _count(n)
+                # Only what workers count is drawn: a field of another kind, or a count that is no whole number
+                # (written by hand, by another version), is passed over.
+                if kind not in row or settled is None:
+                    continue
+                row[kind] += settled
+                per_queue.setdefault(queue, {"done": 0, "retried": 0, "dead": 0})[kind] += settled
             total.append(row)
         peak = max([1, *(row["done"] + row["retried"] + row["dead"] for row in total)])
         return {"minutes": [m * 60_000 for m in minutes], "total": total, "per_queue": per_queue, "peak": peak}
