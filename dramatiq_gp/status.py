@@ -249,9 +249,16 @@ def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) 
         connection.close()
 
 
-def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int]:
-    """Per task type, the messages skipped for want of a handler (in the dead-letter sets, last 7 days)."""
-    return {_text(k): int(v) for k, v in sorted(client.hgetall(keys.skipped(namespace)).items())}
+def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int | str]:
+    """Per task type, the messages skipped for want of a handler (in the dead-letter sets, last 7 days).
+
+    A task type that is not UTF-8, or a count that is not a whole number, is marked (no worker wrote it).
+    """
+    skipped = {}
+    for task_type, count in client.hgetall(keys.skipped(namespace)).items():
+        name = _name(task_type)
+        skipped[_garbled(name) or name] = _read(_text(count), "count", int)
+    return dict(sorted(skipped.items()))
 
 
 def outbox_status(engine: Any) -> dict[str, Any]:

@@ -338,3 +338,15 @@ def test_status_marks_what_it_cannot_read_of_a_scheduler_and_shows_the_rest(case
         assert any(shown in line for line in lines), lines
     assert any(line.startswith(f"scheduler {namespace}: leader lead-h") and " epoch 7" in line for line in lines)
     assert any(line.startswith("  good  0 3 * * * (UTC)  next ") for line in lines), lines
+
+
+def test_status_marks_a_skipped_task_type_not_utf8_or_its_count_not_a_number_and_counts_the_others(
+    clean_env, namespace, rdb
+):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    rdb.hset(f"{namespace}:gp:skipped", mapping={"gone": 3, b"caf\xe9": 1, "odd": "abc"})
+    lines, report = _clean_run("status").splitlines(), json.loads(_clean_run("status", "--json"))
+    garbled = "(unreadable: name not UTF-8: b'caf\\xe9')"
+    assert report["skipped_task_types"] == {garbled: 1, "gone": 3, "odd": "(unreadable: count='abc')"}
+    assert f"skipped (no handler, kept as dead letters): {garbled}: 1" in lines
+    assert "skipped (no handler, kept as dead letters): gone: 3" in lines
