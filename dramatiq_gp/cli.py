@@ -395,7 +395,8 @@ def _dlq_list_one(client: redis.Redis, namespace: str, queue: str, offset: int, 
         return
     click.echo(f"queue {queue}: {total} dead letter(s)")
     for letter in letters:
-        dead_at = datetime.fromtimestamp(letter.dead_at_ms / 1000, UTC).isoformat(timespec="seconds")
+        dead_at = (datetime.fromtimestamp(letter.dead_at_ms / 1000, UTC).isoformat(timespec="seconds")
+                   if isinstance(letter.dead_at_ms, int) else letter.dead_at_ms)  # fmt: skip
         click.echo(f"{letter.id}  {letter.task_type}  message {letter.message_id}  attempts={letter.attempts}  "
                    f"dead since {dead_at}")  # fmt: skip
         if letter.reason:

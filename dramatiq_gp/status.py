@@ -29,9 +29,13 @@ def _text(value: Any) -> str:
     return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
 
 
+#: How every mark of :func:`unreadable` starts.
+MARK = "(unreadable: "
+
+
 def unreadable(reason: str) -> str:
     """What shows in place of a record or field that cannot be read, so that the rest around it still shows."""
-    return f"(unreadable: {reason})"
+    return f"{MARK}{reason})"
 
 
 def json_object(raw: bytes | str) -> dict[str, Any] | str:

@@ -111,19 +111,27 @@ def stored_dead_letter(id: str, args: str = '["c1"]', **options: Any) -> str:
             f'"options": {json.dumps(options)}, "message_id": "m-{id}", "message_timestamp": 0}}')  # fmt: skip
 
 
-def bury(client: Any, namespace: str, queue: str, id: str, stored: str | bytes) -> None:
-    """A dead letter ``id`` of ``queue`` stored as ``stored``, written straight into Redis."""
-    client.zadd(keys.dead(namespace, queue), {id: 1_700_000_000_000})
+def bury(client: Any, namespace: str, queue: str, id: str | bytes, stored: str | bytes,
+         score: float = 1_700_000_000_000) -> None:  # fmt: skip
+    """A dead letter ``id`` of ``queue`` stored as ``stored``, dead since ``score``, written straight into Redis."""
+    client.zadd(keys.dead(namespace, queue), {id: score})
     client.hset(keys.dead_messages(namespace, queue), id, stored)
 
 
-#: One bad dead letter per way each once broke its whole page: its Redis id, its stored message, what shows for it.
+#: One bad dead letter per way each once broke its whole page: its Redis id, its stored message, its score (when it
+#: died), what shows for it.
 BAD_DEAD_LETTERS = {
-    "too-deep": ("deep", stored_dead_letter("deep", "[" * 10_000 + "]" * 10_000), "cannot decode it"),
-    "retries-not-a-number": ("abc", stored_dead_letter("abc", retries="abc"), "(unreadable: retries='abc')"),
-    "empty-traceback": ("blank", stored_dead_letter("blank", traceback=""), "(unreadable: empty traceback)"),
-    "slash-in-id": ("a/b ?#%41", stored_dead_letter("a/b ?#%41"), "RuntimeError: the card was declined"),
-}
+    "too-deep": ("deep", stored_dead_letter("deep", "[" * 10_000 + "]" * 10_000), 1_700_000_000_000,
+                 "cannot decode it"),
+    "retries-not-a-number": ("abc", stored_dead_letter("abc", retries="abc"), 1_700_000_000_000,
+                             "(unreadable: retries='abc')"),
+    "empty-traceback": ("blank", stored_dead_letter("blank", traceback=""), 1_700_000_000_000,
+                        "(unreadable: empty traceback)"),
+    "slash-in-id": ("a/b ?#%41", stored_dead_letter("a/b ?#%41"), 1_700_000_000_000,
+                    "RuntimeError: the card was declined"),
+    "score-inf": ("inf", stored_dead_letter("inf"), float("inf"), "(unreadable: score=inf)"),
+    "score-minus-inf": ("neg-inf", stored_dead_letter("neg-inf"), float("-inf"), "(unreadable: score=-inf)"),
+}  # fmt: skip
 
 
 def publish_schedule(client: Any, namespace: str) -> keys.SchedulerKeys:

@@ -603,10 +603,10 @@ def test_a_basic_authorization_that_is_not_ascii_is_refused_not_a_server_error(c
 def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of_its_page_shows(
     case, clean_env, namespace, rdb
 ):
-    id, stored, shown = BAD_DEAD_LETTERS[case]
+    id, stored, score, shown = BAD_DEAD_LETTERS[case]
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
-    bury(rdb, namespace, "default", id, stored)
+    bury(rdb, namespace, "default", id, stored, score)
     with serving(create_app()) as base:
         browser = Browser(base)
         page = browser.open("/dead-letters/default")
@@ -622,6 +622,25 @@ def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of
         assert "1 dead letter(s) of queue default requeued" in done.body
     assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
     assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == [id]
+
+
+def test_a_dead_letter_whose_redis_id_is_not_utf8_is_marked_and_reached_by_its_message_id(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
+    bury(rdb, namespace, "default", b"d\xff", stored_dead_letter("garbled"))
+    mark = "(unreadable: id not UTF-8: b'd\\xff')"
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        page = browser.open("/dead-letters/default")
+        assert page.status == 200, page.body
+        assert "m-good" in page.body and '/dead-letters/default/m-garbled">charge</a>' in page.body
+        one = browser.open("/dead-letters/default/m-garbled")
+        assert one.status == 200 and f"<code>{mark}</code>" in html.unescape(one.body), one.body
+        token = browser.csrf("/dead-letters/default")
+        done = browser.open("/dead-letters/default/requeue", {"csrf": token, "id": "m-garbled", "confirmed": "yes"})
+        assert "1 dead letter(s) of queue default requeued" in done.body
+    assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
+    assert rdb.llen(keys.queue(namespace, "default")) == 1
 
 
 @pytest.mark.parametrize("case", BAD_SCHEDULER)

@@ -28,6 +28,7 @@ from starlette.templating import Jinja2Templates
 from .. import actions
 from ..durations import format_duration
 from ..settings import QUEUE_NAME, Settings
+from ..status import MARK
 from .access import (
     CSRF_FIELD,
     AllowedHosts,
@@ -93,6 +94,9 @@ class _Dashboard:
         )
         # Only a queue name leads to a page of its dead letters (a name with a '/' did not even make a link).
         self.templates.env.tests["queue_name"] = lambda name: bool(QUEUE_NAME.fullmatch(name))
+        # What cannot be read shows its mark (see status.unreadable): a dead letter whose Redis id is one is
+        # reached by its message id.
+        self.templates.env.tests["marked"] = lambda value: isinstance(value, str) and value.startswith(MARK)
 
     def render(self, request: Request, name: str, **context: Any) -> Response:
         flash = request.cookies.get(FLASH_COOKIE)
