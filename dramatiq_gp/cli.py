@@ -395,7 +395,8 @@ def _dlq_list_one(client: redis.Redis, namespace: str, queue: str, offset: int, 
         return
     click.echo(f"queue {queue}: {total} dead letter(s)")
     for letter in letters:
-        dead_at = datetime.fromtimestamp(letter.dead_at_ms / 1000, UTC).isoformat(timespec="seconds")
+        dead_at = (datetime.fromtimestamp(letter.dead_at_ms / 1000, UTC).isoformat(timespec="seconds")
+                   if isinstance(letter.dead_at_ms, int) else letter.dead_at_ms)  # fmt: skip
         click.echo(f"{letter.id}  {letter.task_type}  message {letter.message_id}  attempts={letter.attempts}  "
                    f"dead since {dead_at}")  # fmt: skip
         if letter.reason:
@@ -830,7 +831,10 @@ def status(as_json: bool) -> None:
         click.echo(f"scheduler {scheduler['namespace']}: leader {who}")
         for entry in scheduler["entries"]:
             line = f"  {entry['name']}  {entry['trigger']} ({entry['zone']})"
-            paused = f"  paused by {entry['paused']['by']} at {entry['paused']['at']}" if entry["paused"] else ""
+            paused = entry["paused"]
+            if isinstance(paused, dict):
+                paused = f"by {paused['by']} at {paused['at']}"
+            paused = f"  paused {paused}" if paused else ""  # a mark when who paused it cannot be read
             last = entry["last_fired"] or "never"
             click.echo(f"{line}  next {entry['next_fire'] or 'none'}  last {last}{paused}")
     if report["outbox"] is not None:

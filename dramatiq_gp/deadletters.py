@@ -34,7 +34,7 @@ import redis
 from . import keys
 from .brokers.base import DEAD_LETTER_REASON
 from .lua import scripts
-from .status import unreadable
+from .status import moment, unreadable
 
 _SCRIPTS = scripts(__file__)
 
@@ -47,9 +47,9 @@ FILTERED = "[Filtered]"
 class DeadLetter:
     """One dead letter, as ``dramatiq-gp dlq`` and the dashboard show it."""
 
-    id: str  #: its Redis message id: the handle to show or requeue it by
+    id: str  #: its Redis message id: the handle to show or requeue it by (its mark when it is not UTF-8)
     queue: str
-    dead_at_ms: int
+    dead_at_ms: int | str  #: when it died (its score), or its mark when that is no time (``inf``)
     message_id: str | None  #: None for bytes that never were a message (set aside as undecodable)
     task_type: str | None
     attempts: int | str  #: the failed attempts (Dramatiq's ``retries`` as its last attempt left it), or its mark
@@ -75,7 +75,7 @@ def page(client: redis.Redis, namespace: str, queue: str, *, offset: int = 0, li
         return []
     data: Any = client.hmget(keys.dead_messages(namespace, queue), [member for member, _ in scored])
     return [
-        _letter(queue, _text(member), int(score), raw, pii)
+        _letter(queue, _id(member), moment(score, "score"), raw, pii)
         for (member, score), raw in zip(scored, data, strict=True)
         if raw is not None  # expired between the two commands
     ]
@@ -89,11 +89,11 @@ def get(client: redis.Redis, namespace: str, queue: str, id: str, *, pii: bool =
             pipe.hget(keys.dead_messages(namespace, queue), redis_id)
             score, raw = pipe.execute()
         if score is not None and raw is not None:
-            return _letter(queue, redis_id, int(score), raw, pii)
+            return _letter(queue, _id(redis_id), moment(score, "score"), raw, pii)
     return None
 
 
-def resolve(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str]) -> list[str]:
+def resolve(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str]) -> list[str | bytes]:
     """The Redis ids of the dead letters ``ids`` names: each a Redis id, or a message id.
 
     A dead letter is stored under the Redis id of the copy that died, which is not
@@ -109,7 +109,7 @@ def resolve(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str])
         for id in ids:
             pipe.zscore(keys.dead(namespace, queue), id)
         found = pipe.execute()
-    known = [id for id, score in zip(ids, found, strict=True) if score is not None]
+    known: list[str | bytes] = [id for id, score in zip(ids, found, strict=True) if score is not None]
     wanted = {id for id, score in zip(ids, found, strict=True) if score is None}
     if not wanted:
         return known
@@ -122,7 +122,7 @@ def resolve(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str])
         except (ValueError, RecursionError, AttributeError):
             continue
         if message_id in wanted:
-            known.append(_text(member))
+            known.append(member)  # as Redis holds it: one not UTF-8 is found by its message id alone
     return known
 
 
@@ -132,9 +132,9 @@ def requeue(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str] 
     touched = [keys.dead(namespace, queue), keys.dead_messages(namespace, queue), keys.queue(namespace, queue),
                keys.messages(namespace, queue)]  # fmt: skip
     if ids is not None:
-        ids = resolve(client, namespace, queue, ids)
-        return sum(int(script(keys=touched, args=list(ids[i : i + REQUEUE_BATCH])))
-                   for i in range(0, len(ids), REQUEUE_BATCH))  # fmt: skip
+        found = resolve(client, namespace, queue, ids)
+        return sum(int(script(keys=touched, args=found[i : i + REQUEUE_BATCH]))
+                   for i in range(0, len(found), REQUEUE_BATCH))  # fmt: skip
     moved = 0
     while True:
         batch: Any = client.zrange(touched[0], 0, REQUEUE_BATCH - 1)  # the oldest first: they keep their order
@@ -152,7 +152,7 @@ def purge(client: redis.Redis, namespace: str, queue: str) -> int:
     return int(dead)
 
 
-def _letter(queue: str, id: str, dead_at_ms: int, raw: bytes | str, pii: bool) -> DeadLetter:
+def _letter(queue: str, id: str, dead_at_ms: int | str, raw: bytes | str, pii: bool) -> DeadLetter:
     try:
         message = json.loads(raw)
         options = message["options"] if isinstance(message.get("options"), dict) else {}
@@ -188,5 +188,9 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _id(member: bytes | str) -> str:
+    """A Redis id as it shows; one not UTF-8 (no broker wrote it) is marked, and its message id finds it."""
+    try:
+        return member.decode() if isinstance(member, bytes) else member
+    except UnicodeDecodeError:
+        return unreadable(f"id not UTF-8: {member!r}")

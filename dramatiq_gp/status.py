@@ -8,6 +8,9 @@ command needs no application code.
 from __future__ import annotations
 
 import json
+import operator
+import reprlib
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -22,12 +25,61 @@ NEXT_FIRES = 3
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    # Bytes no worker wrote (not UTF-8) show escaped, rather than fail the report.
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
+
+
+#: How every mark of :func:`unreadable` starts.
+MARK = "(unreadable: "
 
 
 def unreadable(reason: str) -> str:
     """What shows in place of a record or field that cannot be read, so that the rest around it still shows."""
-    return f"(unreadable: {reason})"
+    return f"{MARK}{reason})"
+
+
+def json_object(raw: bytes | str) -> dict[str, Any] | str:
+    """The JSON object a worker wrote, or the mark in its place (written by hand, by another version)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return unreadable("not JSON")
+    return value if isinstance(value, dict) else unreadable("not a JSON object")
+
+
+def moment(ms: Any, label: str) -> int | str:
+    """``ms``, a time in ms since the epoch, as a whole number; its mark when it is no time a page can show
+    (``'abc'``, ``inf``, past the year 9999)."""
+    try:
+        datetime.fromtimestamp(int(ms) / 1000, UTC)
+    except (TypeError, ValueError, OverflowError, OSError):
+        return unreadable(f"{label}={reprlib.repr(ms)}")
+    return int(ms)
+
+
+def _read(value: Any, label: str, read: Callable[[Any], Any]) -> Any:
+    """``value`` as ``read`` reads it, or the mark in its place: of another type (written by hand, by another
+    version)."""
+    try:
+        return read(value)
+    except (TypeError, ValueError, OverflowError):
+        return unreadable(f"{label}={reprlib.repr(value)}")
+
+
+def _field(record: dict[str, Any], name: str, read: Callable[[Any], Any]) -> Any:
+    """``record[name]`` as ``read`` reads it, or the mark in its place: missing, or of another type."""
+    return _read(record[name], name, read) if name in record else unreadable(f"no {name}")
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(value)
+    return value
+
+
+def _seconds(value: Any) -> Any:
+    timedelta(seconds=value)  # what the page makes of it: raises for a string, inf, NaN, 1e300
+    return value
 
 
 def _name(value: bytes | str) -> str:
@@ -41,17 +93,21 @@ def recorded_queues(client: redis.Redis, namespace: str) -> list[str]:
 
 
 def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: datetime | None = None) -> dict[str, Any]:
-    """The leader (host, pid, epoch, lease expiry) and each published entry's next and last fire."""
+    """The leader (host, pid, epoch, lease expiry) and each published entry's next and last fire.
+
+    What cannot be read (written by hand, by another version) is marked in its place, and the rest still shows.
+    """
     now = now or datetime.now(UTC)
     info = {_text(k): _text(v) for k, v in client.hgetall(scheduler.leader).items()}
     ttl_ms = client.pttl(scheduler.lease)
     leader = None
     if info and ttl_ms > 0:
-        leader = {"host": info["host"], "pid": int(info["pid"]), "epoch": int(info["epoch"]),
+        leader = {"host": _field(info, "host", str), "pid": _field(info, "pid", int),
+                  "epoch": _field(info, "epoch", int),
                   "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat()}  # fmt: skip
-    last = {_text(k): int(v) for k, v in client.hgetall(scheduler.last_fired).items()}
-    published = {_text(k): json.loads(v) for k, v in client.hgetall(scheduler.upcoming).items()}
-    paused = {_text(k): json.loads(v) for k, v in client.hgetall(scheduler.paused).items()}
+    last = {_text(k): moment(_text(v), "last_fired") for k, v in client.hgetall(scheduler.last_fired).items()}
+    published = {_text(k): v for k, v in client.hgetall(scheduler.upcoming).items()}
+    paused = {_text(k): _paused(v) for k, v in client.hgetall(scheduler.paused).items()}
     entries = []
     for name, trigger_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(scheduler.entries).items()):
         trigger, _, zone = trigger_zone.rpartition("|")
@@ -62,31 +118,56 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
             # Published by a worker whose tz database knows it (another namespace, another image): the
             # entry still shows, in UTC, and says so.
             where, zone = ZoneInfo("UTC"), f"{zone} (unknown here: times in UTC)"
-        fires = [datetime.fromisoformat(at).astimezone(where).isoformat()
-                 for at in _next_fires(trigger, where, published.get(name, []), now, NEXT_FIRES)]  # fmt: skip
+        fires = _next_fires(trigger, where, published.get(name), now, NEXT_FIRES)
         # Every time of an entry in its own zone; the last fired is None until it first fires.
         entries.append({
             "name": name, "trigger": trigger, "zone": zone,
             "next_fire": fires[0] if fires else None,
             "next_fires": fires,
-            "last_fired": datetime.fromtimestamp(last_ms / 1000, where).isoformat() if last_ms is not None else None,
+            "last_fired": datetime.fromtimestamp(last_ms / 1000, where).isoformat()
+                          if isinstance(last_ms, int) else last_ms,
             "paused": paused.get(name),
         })  # fmt: skip
     catchup = client.get(scheduler.catchup)
     return {"namespace": scheduler.namespace, "leader": leader, "entries": entries,
-            "catchup": json.loads(catchup) if catchup else None}  # fmt: skip
+            "catchup": _catchup(catchup) if catchup is not None else None}  # fmt: skip
 
 
-def _next_fires(trigger: str, zone: ZoneInfo, published: list[str], now: datetime, count: int) -> list[str]:
-    """A cron string's next fires, computed here; another trigger's, as the workers published them."""
+def _paused(raw: bytes | str) -> dict[str, Any] | str:
+    """Who paused an entry and when; the mark of what cannot be read of it (the entry is paused all the same:
+    the leader asks whether it is in the hash, not what it holds)."""
+    recorded = json_object(raw)
+    if isinstance(recorded, str):
+        return recorded
+    return {"by": _field(recorded, "by", _string), "at": _field(recorded, "at", _string)}
+
+
+def _catchup(raw: bytes | str) -> dict[str, Any] | str:
+    """The catch-up policy the workers published, each field of another type marked."""
+    recorded = json_object(raw)
+    if isinstance(recorded, str):
+        return recorded
+    catchup = {"policy": _field(recorded, "policy", _string), "grace_s": _field(recorded, "grace_s", _seconds),
+               "max": _field(recorded, "max", operator.index)}  # fmt: skip
+    if "misfire_threshold_s" in recorded:  # workers before SCHEDULER_MISFIRE_THRESHOLD did not write it
+        catchup["misfire_threshold_s"] = _field(recorded, "misfire_threshold_s", _seconds)
+    return catchup
+
+
+def _next_fires(trigger: str, zone: ZoneInfo, published: bytes | str | None, now: datetime, count: int) -> list[str]:
+    """A cron string's next fires, computed here; another trigger's, as the workers published them (or their mark)."""
     try:
         spec = parse(trigger)
     except CronError:
-        return [t for t in published if datetime.fromisoformat(t) > now][:count]
+        try:
+            times = [datetime.fromisoformat(at) for at in json.loads(published or "[]")]
+            return [at.astimezone(zone).isoformat() for at in times if at > now][:count]
+        except (ValueError, TypeError, OverflowError, RecursionError):
+            return [unreadable(f"upcoming={reprlib.repr(_text(published))}")]
     fires = [spec.next_after(now, zone)]
     while len(fires) < count:
         fires.append(spec.next_after(fires[-1], zone))
-    return [at.isoformat() for at in fires]
+    return [at.astimezone(zone).isoformat() for at in fires]
 
 
 def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
@@ -172,9 +253,16 @@ def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) 
         connection.close()
 
 
-def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int]:
-    """Per task type, the messages skipped for want of a handler (in the dead-letter sets, last 7 days)."""
-    return {_text(k): int(v) for k, v in sorted(client.hgetall(keys.skipped(namespace)).items())}
+def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int | str]:
+    """Per task type, the messages skipped for want of a handler (in the dead-letter sets, last 7 days).
+
+    A task type that is not UTF-8, or a count that is not a whole number, is marked (no worker wrote it).
+    """
+    skipped = {}
+    for task_type, count in client.hgetall(keys.skipped(namespace)).items():
+        name = _name(task_type)
+        skipped[_garbled(name) or name] = _read(_text(count), "count", int)
+    return dict(sorted(skipped.items()))
 
 
 def outbox_status(engine: Any) -> dict[str, Any]:

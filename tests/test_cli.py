@@ -21,7 +21,7 @@ import dramatiq_gp as gp
 from apps.app_events import OrderPlaced
 from dramatiq_gp.cli import main
 from dramatiq_gp.outbox import OUTBOX_EVENTS
-from helpers import wait_for
+from helpers import BAD_SCHEDULER, publish_schedule, spoil_schedule, wait_for
 
 
 def run(*args: str) -> click.testing.Result:
@@ -317,3 +317,36 @@ def test_status_marks_a_queue_name_that_is_not_utf8_and_counts_the_others(clean_
         "name": "(unreadable: name not UTF-8: b'caf\\xe9')", "ready": None, "in_flight": None, "delayed": None,
         "dead": None}  # fmt: skip
     assert queues["mail"]["ready"] == 1
+
+
+def _clean_run(*args: str) -> str:
+    """What ``dramatiq-gp`` prints in a process of its own, which must exit 0 and print nothing on stderr."""
+    done = subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("case", BAD_SCHEDULER)
+def test_status_marks_what_it_cannot_read_of_a_scheduler_and_shows_the_rest(case, clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    shown = spoil_schedule(rdb, publish_schedule(rdb, namespace), case)
+    lines, report = _clean_run("status").splitlines(), json.loads(_clean_run("status", "--json"))
+    (scheduler,) = [s for s in report["schedulers"] if s["namespace"] == namespace]
+    assert json.dumps(shown, ensure_ascii=False)[1:-1] in json.dumps(scheduler, ensure_ascii=False)
+    assert [e["name"] for e in scheduler["entries"]] == ["good", "odd"]
+    if BAD_SCHEDULER[case][0] != "catchup":  # the text leaves the catch-up policy out
+        assert any(shown in line for line in lines), lines
+    assert any(line.startswith(f"scheduler {namespace}: leader lead-h") and " epoch 7" in line for line in lines)
+    assert any(line.startswith("  good  0 3 * * * (UTC)  next ") for line in lines), lines
+
+
+def test_status_marks_a_skipped_task_type_not_utf8_or_its_count_not_a_number_and_counts_the_others(
+    clean_env, namespace, rdb
+):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    rdb.hset(f"{namespace}:gp:skipped", mapping={"gone": 3, b"caf\xe9": 1, "odd": "abc"})
+    lines, report = _clean_run("status").splitlines(), json.loads(_clean_run("status", "--json"))
+    garbled = "(unreadable: name not UTF-8: b'caf\\xe9')"
+    assert report["skipped_task_types"] == {garbled: 1, "gone": 3, "odd": "(unreadable: count='abc')"}
+    assert f"skipped (no handler, kept as dead letters): {garbled}: 1" in lines
+    assert "skipped (no handler, kept as dead letters): gone: 3" in lines

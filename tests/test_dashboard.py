@@ -34,7 +34,15 @@ import dramatiq_gp as gp
 from devtools.asgi import serving
 from dramatiq_gp import deadletters, keys
 from dramatiq_gp.dashboard import Credentials, create_app
-from helpers import BAD_DEAD_LETTERS, bury, stored_dead_letter, wait_for
+from helpers import (
+    BAD_DEAD_LETTERS,
+    BAD_SCHEDULER,
+    bury,
+    publish_schedule,
+    spoil_schedule,
+    stored_dead_letter,
+    wait_for,
+)
 
 
 @dataclass
@@ -595,10 +603,10 @@ def test_a_basic_authorization_that_is_not_ascii_is_refused_not_a_server_error(c
 def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of_its_page_shows(
     case, clean_env, namespace, rdb
 ):
-    id, stored, shown = BAD_DEAD_LETTERS[case]
+    id, stored, score, shown = BAD_DEAD_LETTERS[case]
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
-    bury(rdb, namespace, "default", id, stored)
+    bury(rdb, namespace, "default", id, stored, score)
     with serving(create_app()) as base:
         browser = Browser(base)
         page = browser.open("/dead-letters/default")
@@ -614,6 +622,74 @@ def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of
         assert "1 dead letter(s) of queue default requeued" in done.body
     assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
     assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == [id]
+
+
+def test_a_dead_letter_whose_redis_id_is_not_utf8_is_marked_and_reached_by_its_message_id(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
+    bury(rdb, namespace, "default", b"d\xff", stored_dead_letter("garbled"))
+    mark = "(unreadable: id not UTF-8: b'd\\xff')"
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        page = browser.open("/dead-letters/default")
+        assert page.status == 200, page.body
+        assert "m-good" in page.body and '/dead-letters/default/m-garbled">charge</a>' in page.body
+        one = browser.open("/dead-letters/default/m-garbled")
+        assert one.status == 200 and f"<code>{mark}</code>" in html.unescape(one.body), one.body
+        token = browser.csrf("/dead-letters/default")
+        done = browser.open("/dead-letters/default/requeue", {"csrf": token, "id": "m-garbled", "confirmed": "yes"})
+        assert "1 dead letter(s) of queue default requeued" in done.body
+    assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
+    assert rdb.llen(keys.queue(namespace, "default")) == 1
+
+
+@pytest.mark.parametrize("case", BAD_SCHEDULER)
+def test_one_bad_scheduler_record_is_marked_and_the_rest_of_the_scheduler_page_shows(case, clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    shown = spoil_schedule(rdb, publish_schedule(rdb, namespace), case)
+    with serving(create_app()) as base:
+        page = Browser(base).open("/scheduler")
+    assert page.status == 200, page.body
+    body = html.unescape(page.body)
+    assert shown in body
+    assert 'data-entry="good"' in body and 'data-entry="odd"' in body and "epoch 7" in body
+
+
+#: Recorded failures no worker of this version writes, and what the page shows for each.
+BAD_FAILURES = {
+    "not-json": (b"{not json", "(unreadable: not JSON)"),
+    "not-an-object": (b"[1, 2]", "(unreadable: not a JSON object)"),
+    "time-not-a-number": (json.dumps({"at_ms": "soon", "queue": "mail", "error": "KeyError: 'x'"}),
+                          "(unreadable: at_ms='soon')"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_FAILURES)
+def test_one_bad_failure_record_is_marked_and_the_others_listed(case, clean_env, namespace, rdb):
+    record, shown = BAD_FAILURES[case]
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    good = {"at_ms": dramatiq.common.current_millis(), "queue": "default", "task_type": "charge",
+            "message_id": "m-good", "attempt": 1, "will_retry": True, "error": "RuntimeError: declined"}  # fmt: skip
+    rdb.lpush(keys.failures(namespace), json.dumps(good), record)
+    with serving(create_app()) as base:
+        page = Browser(base).open("/failures")
+    assert page.status == 200, page.body
+    assert shown in html.unescape(page.body) and "m-good" in page.body and "RuntimeError: declined" in page.body
+
+
+def test_a_throughput_field_of_another_kind_or_count_is_passed_over_and_the_rest_counted(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    now = dramatiq.common.current_millis()
+    rdb.sadd(keys.declared_queues(namespace), "default")
+    rdb.hset(keys.throughput(namespace, now // 60_000), mapping={
+        "default:done": 30, "default:dead": 3, "default:skipped": 4, "default:retried": "abc", "nokind": 5,
+    })  # fmt: skip
+    with serving(create_app()) as base:
+        page = Browser(base).open("/")
+    assert page.status == 200, page.body
+    throughput = gp.dashboard.reader.Reader(gp.Settings.from_env(), rdb).throughput(now)
+    assert throughput["per_queue"] == {"default": {"done": 30, "retried": 0, "dead": 3}}
+    assert throughput["total"][-1] == {"done": 30, "retried": 0, "dead": 3}
 
 
 #: Worker records no worker of this version writes, and what the overview shows for each.

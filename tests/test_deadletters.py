@@ -193,10 +193,10 @@ def _command(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("case", BAD_DEAD_LETTERS)
 def test_one_bad_dead_letter_is_marked_in_list_and_show_and_the_others_listed(case, rdb, namespace, clean_env):
-    id, stored, shown = BAD_DEAD_LETTERS[case]
+    id, stored, score, shown = BAD_DEAD_LETTERS[case]
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
-    bury(rdb, namespace, "default", id, stored)
+    bury(rdb, namespace, "default", id, stored, score)
     rdb.sadd(keys.declared_queues(namespace), "default")
     listed, as_json = _command("dlq", "list"), _command("dlq", "list", "default", "--json")
     one = _command("dlq", "show", "default", id)
@@ -207,3 +207,24 @@ def test_one_bad_dead_letter_is_marked_in_list_and_show_and_the_others_listed(ca
     letters = {letter["id"]: letter for letter in map(json.loads, as_json.stdout.splitlines())}
     assert sorted(letters) == sorted(["good", id]) and letters["good"]["reason"].startswith("RuntimeError")
     assert shown in json.dumps(letters[id]) and json.loads(one.stdout) == letters[id]
+
+
+def test_a_dead_letter_whose_redis_id_is_not_utf8_is_listed_marked_and_shown_and_requeued_by_its_message_id(
+    rdb, namespace, clean_env
+):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
+    bury(rdb, namespace, "default", b"d\xff", stored_dead_letter("garbled"))
+    rdb.sadd(keys.declared_queues(namespace), "default")
+    mark = "(unreadable: id not UTF-8: b'd\\xff')"
+    listed, as_json = _command("dlq", "list"), _command("dlq", "list", "default", "--json")
+    one, requeued = _command("dlq", "show", "default", "m-garbled"), _command("dlq", "requeue", "default", "m-garbled")
+    for done in (listed, as_json, one):
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert requeued.returncode == 0 and "Traceback" not in requeued.stderr, requeued.stderr  # it logs what it did
+    assert f"{mark}  charge  message m-garbled" in listed.stdout and "message m-good" in listed.stdout
+    letters = {letter["message_id"]: letter for letter in map(json.loads, as_json.stdout.splitlines())}
+    assert letters["m-garbled"]["id"] == mark and letters["m-good"]["id"] == "good"
+    assert json.loads(one.stdout) == letters["m-garbled"]
+    assert requeued.stdout == "1 dead letter(s) of queue default requeued\n"
+    assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]

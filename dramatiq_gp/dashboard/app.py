@@ -28,6 +28,7 @@ from starlette.templating import Jinja2Templates
 from .. import actions
 from ..durations import format_duration
 from ..settings import QUEUE_NAME, Settings
+from ..status import MARK
 from .access import (
     CSRF_FIELD,
     AllowedHosts,
@@ -52,8 +53,12 @@ def _when(ms: int | None) -> str:
 
 
 def _iso(text: str) -> str:
-    """An ISO time to the second, as the page shows times (the zone's offset kept)."""
-    return datetime.fromisoformat(text).isoformat(timespec="seconds")
+    """An ISO time to the second, as the page shows times (the zone's offset kept); other text (a mark, a time
+    a worker wrote otherwise) as it is."""
+    try:
+        return datetime.fromisoformat(text).isoformat(timespec="seconds")
+    except ValueError:
+        return text
 
 
 def _age(ms: int | None) -> str:
@@ -81,11 +86,17 @@ class _Dashboard:
             age=_age,
             iso=_iso,
             tojson_pretty=lambda v: json.dumps(v, indent=2),
-            duration=lambda seconds: format_duration(timedelta(seconds=seconds)),
+            # A field of the catch-up policy that cannot be read is its mark (see status.unreadable): as it is.
+            duration=lambda seconds: (
+                seconds if isinstance(seconds, str) else format_duration(timedelta(seconds=seconds))
+            ),
             thousands=lambda n: "—" if n is None else f"{n:,}",
         )
         # Only a queue name leads to a page of its dead letters (a name with a '/' did not even make a link).
         self.templates.env.tests["queue_name"] = lambda name: bool(QUEUE_NAME.fullmatch(name))
+        # What cannot be read shows its mark (see status.unreadable): a dead letter whose Redis id is one is
+        # reached by its message id.
+        self.templates.env.tests["marked"] = lambda value: isinstance(value, str) and value.startswith(MARK)
 
     def render(self, request: Request, name: str, **context: Any) -> Response:
         flash = request.cookies.get(FLASH_COOKIE)

@@ -9,7 +9,6 @@ the keyspace. An overview is four round trips, a page of dead letters three.
 
 from __future__ import annotations
 
-import json
 import reprlib
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,16 @@ import redis
 
 from .. import deadletters, keys
 from ..settings import Settings
-from ..status import outbox_status, queue_counts, rabbitmq_queue_status, recorded_queues, scheduler_status, unreadable
+from ..status import (
+    json_object,
+    moment,
+    outbox_status,
+    queue_counts,
+    rabbitmq_queue_status,
+    recorded_queues,
+    scheduler_status,
+    unreadable,
+)
 
 #: Minutes of throughput the overview shows.
 MINUTES = 15
@@ -42,12 +50,9 @@ def _worker(broker_id: Any, beat_ms: int, record: Any) -> dict[str, Any]:
     another version) is marked in its place."""
     worker = {"id": _text(broker_id), "beat_ms": beat_ms, "host": None, "pid": None, "started_ms": None,
               "queues": [], "weights": None, "strict": False}  # fmt: skip
-    try:
-        recorded = json.loads(record) if record is not None else {}
-    except (ValueError, RecursionError):
-        return {**worker, "host": unreadable("not JSON")}
-    if not isinstance(recorded, dict):
-        return {**worker, "host": unreadable("not a JSON object")}
+    recorded = json_object(record) if record is not None else {}
+    if isinstance(recorded, str):
+        return {**worker, "host": recorded}
     for field, kind in WORKER_FIELDS.items():
         value = recorded.get(field)
         if value is not None:
@@ -56,6 +61,13 @@ def _worker(broker_id: Any, beat_ms: int, record: Any) -> dict[str, Any]:
             worker[field] = value if readable else unreadable(f"{field}={reprlib.repr(value)}")
     worker["strict"] = bool(recorded.get("strict"))
     return worker
+
+
+def _count(value: Any) -> int | None:
+    try:
+        return int(value)
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -101,8 +113,13 @@ class Reader:
             row = {"done": 0, "retried": 0, "dead": 0}
             for field, n in counts.items():
                 queue, _, kind = _text(field).rpartition(":")
-                row[kind] = row.get(kind, 0) + int(n)
-                per_queue.setdefault(queue, {"done": 0, "retried": 0, "dead": 0})[kind] += int(n)
+                settled = _count(n)
+                # Only what workers count is drawn: a field of another kind, or a count that is no whole number
+                # (written by hand, by another version), is passed over.
+                if kind not in row or settled is None:
+                    continue
+                row[kind] += settled
+                per_queue.setdefault(queue, {"done": 0, "retried": 0, "dead": 0})[kind] += settled
             total.append(row)
         peak = max([1, *(row["done"] + row["retried"] + row["dead"] for row in total)])
         return {"minutes": [m * 60_000 for m in minutes], "total": total, "per_queue": per_queue, "peak": peak}
@@ -151,4 +168,13 @@ class Reader:
         return deadletters.get(self.client, self.namespace, queue, id, pii=self.pii)
 
     def failures(self, limit: int = 100) -> list[dict[str, Any]]:
-        return [json.loads(item) for item in self.client.lrange(keys.failures(self.namespace), 0, limit - 1)]
+        return [_failure(item) for item in self.client.lrange(keys.failures(self.namespace), 0, limit - 1)]
+
+
+def _failure(record: bytes | str) -> dict[str, Any]:
+    """A failed attempt as the page shows it: a record that is not a JSON object shows its mark as its error, a
+    time that is none as its time."""
+    failure = json_object(record)
+    if isinstance(failure, str):
+        return {"error": failure}
+    return {**failure, "at_ms": moment(failure.get("at_ms"), "at_ms")}
