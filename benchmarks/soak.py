@@ -373,9 +373,12 @@ class Soak:
             missed[name] = len(missing)
             for order in missing[:5]:
                 at = self.committed_at[order]
+                published = self._published_at(order)
                 detail.append({
                     "listener": name, "order": order, "s_after_live": round(at - live_from, 1),
                     "s_before_gone": round(gone - at, 1) if gone != float("inf") else None,
+                    # Fanned out later than the retirement after ``gone``: the listener was no longer sent to.
+                    "s_published_after_commit": round(published - at, 1) if published is not None else None,
                     "between": [what for when, what in self.timeline if at - 5 <= when <= min(gone, at + 120)],
                 })  # fmt: skip
         return {
@@ -392,6 +395,16 @@ class Soak:
             "listener_deliveries": len(rows),
             "listener_duplicate_effects": sum(runs - 1 for _, _, runs in rows),
         }
+
+    def _published_at(self, order: int) -> float | None:
+        """When the relay fanned out the ``soak.parcel`` event of ``order`` (epoch seconds), if it is still kept."""
+        import sqlalchemy as sa
+
+        query = sa.text("SELECT extract(epoch FROM published_at) FROM outbox_events "
+                        "WHERE event = 'soak.parcel' AND (payload::jsonb ->> 'order_id')::bigint = :order")  # fmt: skip
+        with self.engine.connect() as conn:
+            found = conn.execute(query, {"order": order}).scalar()
+        return None if found is None else float(found)
 
     def _parked_parcel_deliveries(self) -> dict[tuple[str, int], str]:
         """(listener, order) of every ``soak.parcel`` listener message still stored at the end: ``"dead"`` in a
