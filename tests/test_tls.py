@@ -13,8 +13,8 @@ import redis
 import trustme
 
 import dramatiq_gp as gp
+from devtools.services import free_port
 from helpers import wait_for
-from servers import free_port
 
 
 @dataclass(frozen=True)
