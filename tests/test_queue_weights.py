@@ -237,3 +237,14 @@ def test_shutdown_drains_every_held_message():
         except queue.Empty:
             break
     assert len(drained) == 3
+
+
+def test_actor_priority_orders_what_a_process_holds_as_dramatiqs_broker_does(monkeypatch, redis_url):
+    """Dramatiq's own priority test, on the kit's broker and on Dramatiq's at the same prefetch
+    (``python -m benchmarks priority`` runs it at several): with every message in the buffer, strict."""
+    import dramatiq.worker
+
+    from benchmarks.priority import run_child
+
+    monkeypatch.setattr(dramatiq.worker, "QUEUE_PREFETCH", 32)
+    assert [run_child(kind, 1, redis_url) for kind in ("dramatiq", "kit")] == [1, 1]
