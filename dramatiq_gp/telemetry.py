@@ -180,9 +180,17 @@ def configure_logging(settings: LogSettings, *, send_default_pii: bool = False) 
     The dramatiq CLI has already installed a handler writing to its log pipe by
     the time the kit is built; it is kept and reformatted, so Dramatiq's own lines
     come out in the same format. Without one (programmatic use, or the CLI's
-    ``--skip-logging``), a handler on stderr is added.
+    ``--skip-logging``), a handler on stderr is added. pika's loggers go to
+    CRITICAL, as Dramatiq's CLI sets them in its workers, unless their level was set.
     """
     root = logging.getLogger()
+    # As Dramatiq's CLI does in its worker processes: pika logs each connection's opening and
+    # closing at INFO and every failed attempt at ERROR with a traceback (a producer printed
+    # 125 lines, `status` with RabbitMQ down 7 and a traceback before its own one line).
+    # The kit says what failed itself; a level set before the kit is built is kept.
+    pika = logging.getLogger("pika")
+    if pika.level == logging.NOTSET:
+        pika.setLevel(logging.CRITICAL)
     if not root.handlers:
         root.addHandler(logging.StreamHandler(sys.stderr))
         root.setLevel(settings.level_number)

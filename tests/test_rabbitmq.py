@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -534,3 +537,28 @@ def test_a_batch_rabbitmq_did_not_take_is_reported_unsent_and_goes_through_when_
     assert unsent == [m.message_id for m in messages]
     broker.enqueue_many(messages)  # declared again, then sent
     assert broker.get_queue_message_counts(queue_name)[0] == 3
+
+
+def test_outside_the_worker_pika_prints_nothing_and_status_with_rabbitmq_down_one_line(clean_env, redis_url, namespace):
+    """Dramatiq's CLI quiets pika in its workers only: a producer printed 125 pika lines, status 7 and a traceback."""
+    env = {**os.environ, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace, "LOG_LEVEL": "INFO"}
+    producer = (
+        "import dramatiq, dramatiq_gp as gp\n"
+        "kit = gp.Kit(registry=gp.Registry())\n"
+        f"send = dramatiq.actor(lambda: None, broker=kit.broker, actor_name='noop', queue_name={EVENT_QUEUE!r})\n"
+        "for _ in range(3):\n"
+        "    send.send()\n"
+        "kit.broker.close()\n"
+    )
+    sent = subprocess.run([sys.executable, "-c", producer], env={**env, "BROKER_URL": URL}, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    assert "pika" not in sent.stderr and "Traceback" not in sent.stderr, sent.stderr
+    assert "start-up: registered" in sent.stderr  # the kit's own INFO lines still show
+
+    down = {**env, "BROKER_URL": "amqp://guest:guest@127.0.0.1:1/%2F"}
+    status = subprocess.run([sys.executable, "-m", "dramatiq_gp", "status"], env=down, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert status.returncode == 1
+    errors = [line for line in status.stderr.splitlines() if "[INFO]" not in line]
+    assert len(errors) == 1 and errors[0].startswith("Error: RabbitMQ unreachable at amqp://guest:***@127.0.0.1:1/")
