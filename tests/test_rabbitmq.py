@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -415,6 +416,17 @@ def test_a_rabbitmq_that_does_not_answer_is_one_line_at_start_up(make_kit, caplo
     assert exited.value.code == RET_CONNECT
     (line,) = [r.getMessage() for r in caplog.records if "start-up failed" in r.getMessage()]
     assert line.startswith("start-up failed: RabbitMQ unreachable at 127.0.0.1:1: ")
+
+
+def test_the_start_up_line_says_where_the_queues_are_and_where_redis_is(make_kit, caplog):
+    # It said "broker reachable at redis://..." on a RabbitMQ worker.
+    kit = make_kit(env={"BROKER_URL": URL})
+    with caplog.at_level(logging.INFO):
+        kit.broker.emit_after("process_boot")
+    (line,) = [r.getMessage() for r in caplog.records if "broker reachable" in r.getMessage()]
+    rabbitmq = urllib.parse.urlsplit(URL)
+    where = f"RabbitMQ {rabbitmq.hostname}:{rabbitmq.port or 5672}"
+    assert line.startswith(f"start-up: broker reachable at {where}; Redis/Valkey at ")
 
 
 def test_status_reads_the_queue_depths_from_rabbitmq(make_kit, default_queues, clean_env, namespace):

@@ -231,6 +231,10 @@ class KitBroker(Broker):
             except redis.RedisError as exc:
                 logger.warning("could not record queue %r for the dashboard in Redis: %s", queue_name, exc)
 
+    def queues_where(self) -> str:
+        """Where the queues are, when that is not ``client``: "" for a broker whose queues are in it."""
+        return ""
+
     def ping_queues(self) -> None:
         """Reach where the queues are, when that is not ``client`` (whose PING the callers make).
 

@@ -334,6 +334,9 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         except pika.exceptions.AMQPError as exc:
             raise BrokerUnreachable(f"RabbitMQ unreachable at {self._where()}: {exc!r}") from None
 
+    def queues_where(self) -> str:
+        return f"RabbitMQ {self._where()}"
+
     def _where(self) -> str:
         parameters = self.parameters if isinstance(self.parameters, list) else [self.parameters]
         return ";".join(f"{p.host}:{p.port}" for p in parameters)

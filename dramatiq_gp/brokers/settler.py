@@ -112,7 +112,7 @@ class Settler(Generic[T]):
                 else:
                     if self._failing:
                         self._failing = False
-                        logger.warning("settled %d message(s) held back while they could not be", len(batch))
+                        logger.warning("settles go through again: the %d waiting message(s) are settled", len(batch))
                     return True
             if not self._failing:
                 self._failing = True

@@ -189,13 +189,18 @@ class Lifecycle(Middleware):
             # SystemExit passes through Dramatiq's hook runner and ends this process
             # with the CLI's "broker connection failed" code.
             raise SystemExit(RET_CONNECT) from None
+        queues = ""
         if isinstance(broker, KitBroker):
             try:
                 broker.ping_queues()
             except BrokerUnreachable as exc:
                 self.logger.error("start-up failed: %s", exc)
                 raise SystemExit(RET_CONNECT) from None
-        self.logger.info("start-up: broker reachable at %s", where)
+            queues = broker.queues_where()
+        if queues:  # the queues are elsewhere; Redis/Valkey keeps the coordination state
+            self.logger.info("start-up: broker reachable at %s; Redis/Valkey at %s", queues, where)
+        else:
+            self.logger.info("start-up: broker reachable at %s", where)
 
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         stop = worker.stop

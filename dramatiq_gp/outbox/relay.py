@@ -81,6 +81,17 @@ _OUTAGE = (
 )
 
 
+def _unreached(error: BaseException) -> str:
+    """Which of the relay's three servers ``error`` (one of :data:`_OUTAGE`) says is out of reach."""
+    if isinstance(error, redis.RedisError):
+        return "Redis/Valkey"
+    if isinstance(error, BrokerConnectionError):
+        return "the broker"
+    if isinstance(error, sa.exc.OperationalError | sa.exc.InterfaceError | psycopg.Error):
+        return "the database"
+    return "the database, Redis/Valkey or the broker"
+
+
 class PoisonEvent(GPError):
     """A row this process cannot turn into a message."""
 
@@ -322,7 +333,7 @@ class Relay:
                     self._next_prune = time.monotonic() + (PRUNE_AGAIN_S if full else PURGE_INTERVAL_S)
             except _OUTAGE as exc:
                 if not failing:
-                    self.logger.warning("outbox relay cannot reach the database or Redis, retrying: %s", exc)
+                    self.logger.warning("outbox relay cannot reach %s, retrying: %s", _unreached(exc), exc)
                 failing = True
                 self.close()
                 outage_backoff = min(max(outage_backoff * 2, 0.1), MAX_OUTAGE_BACKOFF_S)
