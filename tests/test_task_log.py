@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import dramatiq
 import pytest
+import redis
 from dramatiq.rate_limits import RateLimitExceeded
 
 import dramatiq_gp as gp
@@ -148,3 +150,41 @@ def test_a_huge_exception_message_is_capped_in_the_line_and_its_traceback(make_k
         line = formatter.format(failed)
         assert len(line) < 2 * MAX_ERROR_CHARS + MAX_TRACEBACK_CHARS + 1_000, len(line)  # JSON: message and field
         assert "RuntimeError" in line and "characters cut" in line
+
+
+def test_a_server_out_of_reach_is_one_warning_per_episode_without_a_traceback(make_kit, start_worker, caplog):
+    """A node's failure made every fan-out in flight fail with an ERROR and a traceback, sixteen per failure."""
+    caplog.set_level(logging.INFO)
+    down = threading.Event()
+
+    def handler(event: Job) -> None:
+        if down.is_set():
+            redis.Redis(port=1, socket_connect_timeout=1).ping()  # a server out of reach, for real
+
+    kit = make_kit(
+        lambda registry, schedule: registry.listen(Job, handler, name="sends", max_retries=50),
+        env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"},
+    )
+    start_worker(kit)
+
+    def failures() -> list[logging.LogRecord]:
+        return [r for r in _records(caplog) if r.getMessage().startswith("task failed")]
+
+    def done() -> int:
+        return sum(r.getMessage().startswith("task done") for r in _records(caplog))
+
+    for episode in range(2):
+        down.set()
+        before = len(failures())
+        kit.dispatch(Job(fail=True))
+        kit.dispatch(Job(fail=True))
+        wait_for(lambda before=before: len(failures()) >= before + 3)
+        # Taken while every attempt fails: once one succeeds, the next failure starts an episode.
+        levels = [r.levelno for r in failures()[before:]]
+        finished = done()
+        down.clear()
+        wait_for(lambda finished=finished: done() == finished + 2)
+        assert levels[0] == logging.WARNING and set(levels[1:]) == {logging.INFO}, (episode, levels)
+    assert all(r.exc_info is None and r.will_retry for r in failures())
+    assert "error=ConnectionError: Error 111 connecting to localhost:1" in failures()[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

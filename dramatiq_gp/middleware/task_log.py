@@ -6,7 +6,11 @@ logger) with lines that carry the task type, id, attempt, duration and whether
 the failure will be retried, at Dramatiq's levels: ERROR with the traceback for
 an unexpected failure, INFO without one for an exception the actor ``throws``
 (expected, not retried), DEBUG for a rate-limit miss; and WARNING without one for
-an event payload set aside (:class:`~dramatiq_gp.PayloadMismatch`: it names the fields). Every other Dramatiq log
+an event payload set aside (:class:`~dramatiq_gp.PayloadMismatch`: it names the fields). A failure
+that will be retried because a server was out of reach (the broker, Redis/Valkey: a
+fan-out's send during a node's failure) is one WARNING without a traceback, and
+the next ones INFO, until a task succeeds again: sixteen tracebacks per node
+failure said nothing the first line did not. Every other Dramatiq log
 line is kept. The fields are also passed as ``extra`` so a structured formatter
 can use them. ``LOG_LEVEL=WARN`` silences the INFO lines.
 """
@@ -14,11 +18,14 @@ can use them. ``LOG_LEVEL=WARN`` silences the INFO lines.
 from __future__ import annotations
 
 import logging
+import sys
 from time import perf_counter
 from typing import Any
 
+import redis
 from dramatiq import Broker, Middleware, Retry
 from dramatiq.broker import MessageProxy
+from dramatiq.errors import BrokerConnectionError
 from dramatiq.rate_limits import RateLimitExceeded
 
 from ..errors import PayloadMismatch
@@ -63,6 +70,8 @@ class TaskLog(Middleware):
 
     def __init__(self, *, logger_name: str = "dramatiq_gp.tasks") -> None:
         self.logger = logging.getLogger(logger_name)
+        #: A task failed (and will be retried) because a server was out of reach, and none succeeded since.
+        self._out_of_reach = False
         # Every line comes from this module: skip logging's walk up the stack for it.
         self.logger.findCaller = _this_module  # type: ignore[method-assign]
         for name in ("dramatiq.worker.WorkerThread", "dramatiq.middleware.retries.Retries"):
@@ -91,6 +100,8 @@ class TaskLog(Middleware):
         started = getattr(message, _STARTED_ATTR, None)
         if started is None:
             return
+        if exception is None and self._out_of_reach:
+            self._out_of_reach = False
         if exception is None and not self.logger.isEnabledFor(logging.INFO):
             return  # the common case under LOG_LEVEL=WARN: nothing to build
         duration_ms = (perf_counter() - started[0]) * 1000
@@ -130,6 +141,9 @@ class TaskLog(Middleware):
         elif expected_failure(broker, message, exception):
             level, exc_info = logging.INFO, None
             fields["expected"] = True
+        elif will_retry and out_of_reach(exception):
+            level, exc_info = (logging.INFO if self._out_of_reach else logging.WARNING), None
+            self._out_of_reach = True
         else:
             level, exc_info = logging.ERROR, exception
         if self.logger.isEnabledFor(level):
@@ -148,3 +162,11 @@ class TaskLog(Middleware):
                 message.actor_name, message.message_id, started[1],
                 extra={"task_type": message.actor_name, "task_id": message.message_id, "attempt": started[1]},
             )  # fmt: skip
+
+
+def out_of_reach(exception: BaseException) -> bool:
+    """Whether ``exception`` says a server (the broker, Redis/Valkey) could not be reached, rather than a bug."""
+    if isinstance(exception, BrokerConnectionError | redis.ConnectionError | redis.TimeoutError | ConnectionError):
+        return True
+    pika = sys.modules.get("pika.exceptions")  # loaded only with RabbitMQ
+    return pika is not None and isinstance(exception, pika.AMQPConnectionError | pika.AMQPChannelError)
