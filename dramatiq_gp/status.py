@@ -24,7 +24,8 @@ from .scheduler.cron import CronError, parse
 NEXT_FIRES = 3
 
 
-def _text(value: Any) -> str:
+def text(value: Any) -> str:
+    """A Redis reply as text."""
     # Bytes no worker wrote (not UTF-8) show escaped, rather than fail the report.
     return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
 
@@ -98,18 +99,18 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
     What cannot be read (written by hand, by another version) is marked in its place, and the rest still shows.
     """
     now = now or datetime.now(UTC)
-    info = {_text(k): _text(v) for k, v in client.hgetall(scheduler.leader).items()}
+    info = {text(k): text(v) for k, v in client.hgetall(scheduler.leader).items()}
     ttl_ms = client.pttl(scheduler.lease)
     leader = None
     if info and ttl_ms > 0:
         leader = {"host": _field(info, "host", str), "pid": _field(info, "pid", int),
                   "epoch": _field(info, "epoch", int),
                   "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat()}  # fmt: skip
-    last = {_text(k): moment(_text(v), "last_fired") for k, v in client.hgetall(scheduler.last_fired).items()}
-    published = {_text(k): v for k, v in client.hgetall(scheduler.upcoming).items()}
-    paused = {_text(k): _paused(v) for k, v in client.hgetall(scheduler.paused).items()}
+    last = {text(k): moment(text(v), "last_fired") for k, v in client.hgetall(scheduler.last_fired).items()}
+    published = {text(k): v for k, v in client.hgetall(scheduler.upcoming).items()}
+    paused = {text(k): _paused(v) for k, v in client.hgetall(scheduler.paused).items()}
     entries = []
-    for name, trigger_zone in sorted((_text(k), _text(v)) for k, v in client.hgetall(scheduler.entries).items()):
+    for name, trigger_zone in sorted((text(k), text(v)) for k, v in client.hgetall(scheduler.entries).items()):
         trigger, _, zone = trigger_zone.rpartition("|")
         last_ms = last.get(name)
         try:
@@ -163,7 +164,7 @@ def _next_fires(trigger: str, zone: ZoneInfo, published: bytes | str | None, now
             times = [datetime.fromisoformat(at) for at in json.loads(published or "[]")]
             return [at.astimezone(zone).isoformat() for at in times if at > now][:count]
         except (ValueError, TypeError, OverflowError, RecursionError):
-            return [unreadable(f"upcoming={reprlib.repr(_text(published))}")]
+            return [unreadable(f"upcoming={reprlib.repr(text(published))}")]
     fires = [spec.next_after(now, zone)]
     while len(fires) < count:
         fires.append(spec.next_after(fires[-1], zone))
@@ -230,7 +231,7 @@ def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) 
     import pika.exceptions
     from dramatiq.common import dq_name, xq_name
 
-    names = sorted(_text(n) for n in client.smembers(keys.declared_queues(namespace)))
+    names = sorted(text(n) for n in client.smembers(keys.declared_queues(namespace)))
     connection = pika.BlockingConnection([pika.URLParameters(url) for url in urls])
     try:
         channel = connection.channel()
@@ -261,7 +262,7 @@ def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int | str]:
     skipped = {}
     for task_type, count in client.hgetall(keys.skipped(namespace)).items():
         name = _name(task_type)
-        skipped[_garbled(name) or name] = _read(_text(count), "count", int)
+        skipped[_garbled(name) or name] = _read(text(count), "count", int)
     return dict(sorted(skipped.items()))
 
 

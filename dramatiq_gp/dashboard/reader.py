@@ -25,6 +25,7 @@ from ..status import (
     rabbitmq_queue_status,
     recorded_queues,
     scheduler_status,
+    text,
     unreadable,
 )
 
@@ -40,15 +41,10 @@ PAGE = 50
 WORKER_FIELDS = {"host": str, "pid": int, "started_ms": int, "queues": list, "weights": dict}
 
 
-def _text(value: Any) -> str:
-    # Bytes no worker wrote (not UTF-8) show escaped, rather than fail the page.
-    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
-
-
 def _worker(broker_id: Any, beat_ms: int, record: Any) -> dict[str, Any]:
     """A worker process as the overview shows it: a record, or a field, of another shape (written by hand, by
     another version) is marked in its place."""
-    worker = {"id": _text(broker_id), "beat_ms": beat_ms, "host": None, "pid": None, "started_ms": None,
+    worker = {"id": text(broker_id), "beat_ms": beat_ms, "host": None, "pid": None, "started_ms": None,
               "queues": [], "weights": None, "strict": False}  # fmt: skip
     recorded = json_object(record) if record is not None else {}
     if isinstance(recorded, str):
@@ -112,7 +108,7 @@ class Reader:
         for counts in counted:
             row = {"done": 0, "retried": 0, "dead": 0}
             for field, n in counts.items():
-                queue, _, kind = _text(field).rpartition(":")
+                queue, _, kind = text(field).rpartition(":")
                 settled = _count(n)
                 # Only what workers count is drawn: a field of another kind, or a count that is no whole number
                 # (written by hand, by another version), is passed over.
