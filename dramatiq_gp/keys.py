@@ -15,9 +15,9 @@ without scanning the keyspace: ``<ns>:gp:queues`` (the queues consumed),
 ``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:throughput:<minute>`` (the
 messages settled per queue and minute) and ``<ns>:gp:failures`` (the latest
 failures); the listeners the worker processes declare, which every fan-out
-reaches: ``<ns>:gp:listeners``, ``<ns>:gp:listeners:seen`` and
-``<ns>:gp:listeners:version``. The scheduler's, under ``<scheduler namespace>:scheduler:``: see
-:class:`SchedulerKeys`.
+reaches: ``<ns>:gp:listeners``, ``<ns>:gp:listeners:seen``,
+``<ns>:gp:listeners:version`` and ``<ns>:gp:listeners:retired``. The scheduler's,
+under ``<scheduler namespace>:scheduler:``: see :class:`SchedulerKeys`.
 """
 
 from __future__ import annotations
@@ -96,6 +96,11 @@ def listeners_seen(namespace: str) -> str:
 def listeners_version(namespace: str) -> str:
     """Incremented whenever a listener is declared for the first time, changed or retired (a counter)."""
     return f"{namespace}:gp:listeners:version"
+
+
+def listeners_retired(namespace: str) -> str:
+    """Task type → ``"<ms retired> <spec>"`` of a retired listener, kept for the events committed before (a hash)."""
+    return f"{namespace}:gp:listeners:retired"
 
 
 def done_prefix(namespace: str) -> str:

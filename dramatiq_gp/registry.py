@@ -228,8 +228,9 @@ class Registry:
         return self.messages_for(envelope)
 
     def messages_for(self, envelope: Mapping[str, Any]) -> list[Message[Any]]:
-        """The listener messages of an envelope (``id``, ``event``, ``data``): this registry's
-        listeners, then the others the live workers declared.
+        """The listener messages of an envelope (``id``, ``event``, ``data``, and ``at``, the ms the
+        outbox wrote it, if known): this registry's listeners, then the others the live workers
+        declared, and those retired since ``at``.
 
         Raises:
             redis.RedisError: the declared listeners could not be read (a fan-out is retried).
@@ -237,7 +238,9 @@ class Registry:
         event, envelope_id = envelope["event"], envelope["id"]
         targets = [(listener.actor_name, listener.queue) for listener in self._by_event.get(event, ())]
         if self.subscriptions is not None:
-            targets += [(name, queue) for name, queue in self.subscriptions.of(event) if name not in self._actor_names]
+            written = envelope.get("at")
+            declared = self.subscriptions.of(event, written if isinstance(written, int) else None)
+            targets += [(name, queue) for name, queue in declared if name not in self._actor_names]
         return [
             Message(
                 queue_name=queue,

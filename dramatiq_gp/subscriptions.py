@@ -10,10 +10,17 @@ registry alone, but to the union of what the live workers have declared:
   (``declare.lua``), and again every :data:`HEARTBEAT_DIVISOR`-th of
   ``WORKER_LISTENER_RETIREMENT`` (30 s at most), so they stay fresh.
 * **Retired.** A listener no worker has declared for ``WORKER_LISTENER_RETIREMENT``
-  (10 minutes by default) is dropped by the next declaration of any worker: the
-  version goes up, and fan-outs stop sending to it. A listener whose workers all
-  stopped for less than that (a restart, a crash) keeps receiving: its messages
-  wait in its queue.
+  (10 minutes by default) is retired by the next declaration of any worker: the
+  version goes up, and fan-outs stop sending it the events committed after its
+  retirement. A listener whose workers all stopped for less than that (a restart,
+  a crash) keeps receiving: its messages wait in its queue.
+* **Owed what it was live for.** An event committed while a listener was live
+  reaches it even when it is fanned out after the retirement (a fan-out retried,
+  or held by a killed worker until its heartbeat lapsed): the outbox's envelope
+  says when the event was written (``at``), and a retired listener is kept, with
+  the time it was retired, for :data:`RETIRED_KEPT`. Its message then waits in its
+  queue, or, where workers without it consume that queue, is held and then set
+  aside in the dead-letter set, where ``dramatiq-gp dlq requeue`` finds it.
 * **Read through a cache.** A fanning process keeps the set and its version, and
   looks at the version (one ``GET``) at most every :data:`REFRESH_S`, before a
   fan-out that needs it: a fan-out never uses a set read longer ago than that. A
@@ -51,6 +58,9 @@ _SCRIPTS = scripts(__file__)
 REFRESH_S = 0.25
 #: Declarations are refreshed this many times per retirement period (at most every 30 s).
 HEARTBEAT_DIVISOR, HEARTBEAT_MAX_S = 4, 30.0
+#: How long a retired listener is kept for the events committed before its retirement: as long as
+#: Dramatiq retries a message (its longest backoff) and keeps a dead letter.
+RETIRED_KEPT = timedelta(days=7)
 
 
 def spec(listener: Listener) -> str:
@@ -72,43 +82,60 @@ class Subscriptions:
 
     def __init__(self, client: redis.Redis, namespace: str) -> None:
         self.client = client
-        self.keys = (keys.listeners(namespace), keys.listeners_seen(namespace), keys.listeners_version(namespace))
+        self.keys = (keys.listeners(namespace), keys.listeners_seen(namespace), keys.listeners_version(namespace),
+                     keys.listeners_retired(namespace))  # fmt: skip
         self._declare = client.register_script(_SCRIPTS["declare"])
         self._lock = threading.Lock()
         self._version: int | None = None
         self._by_event: dict[str, tuple[tuple[str, str], ...]] = {}
+        #: Per event, the retired listeners: ``(task type, queue, ms retired)``.
+        self._retired: dict[str, tuple[tuple[str, str, int], ...]] = {}
         self._fresh_until = 0.0
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
-    def of(self, event: str) -> tuple[tuple[str, str], ...]:
-        """The ``(task type, queue)`` of every live listener of ``event``, read at most :data:`REFRESH_S` ago.
+    def of(self, event: str, written_ms: int | None = None) -> tuple[tuple[str, str], ...]:
+        """The ``(task type, queue)`` of every live listener of ``event``, read at most :data:`REFRESH_S` ago,
+        and of every listener retired after ``written_ms`` (when the event was written, if known).
 
         Raises:
             redis.RedisError: the version could not be read (the fan-out fails, and is retried).
         """
         if time.monotonic() >= self._fresh_until:
             self._refresh()
-        return self._by_event.get(event, ())
+        live = self._by_event.get(event, ())
+        retired = self._retired.get(event)
+        if not retired or written_ms is None:
+            return live
+        return live + tuple((task_type, queue) for task_type, queue, at in retired if at > written_ms)
 
     def _refresh(self) -> None:
         with self._lock:
             sent = time.monotonic()
             if sent < self._fresh_until:
                 return  # another thread read it meanwhile
-            specs_key, _, version_key = self.keys
+            specs_key, _, version_key, retired_key = self.keys
             version = int(self.client.get(version_key) or 0)
             if version != self._version:
                 with self.client.pipeline(transaction=True) as pipe:
                     pipe.get(version_key)
                     pipe.hgetall(specs_key)
-                    raw_version, specs = pipe.execute()
+                    pipe.hgetall(retired_key)
+                    raw_version, specs, retired = pipe.execute()
                 version = int(raw_version or 0)
                 by_event: dict[str, list[tuple[str, str]]] = {}
                 for task_type, data in specs.items():
                     declared = json.loads(data)
                     by_event.setdefault(declared["event"], []).append((_text(task_type), declared["queue"]))
+                retired_by_event: dict[str, list[tuple[str, str, int]]] = {}
+                for task_type, data in retired.items():
+                    at, _, spec_json = _text(data).partition(" ")
+                    declared = json.loads(spec_json)
+                    retired_by_event.setdefault(declared["event"], []).append(
+                        (_text(task_type), declared["queue"], int(at))
+                    )
                 self._by_event = {event: tuple(sorted(pairs)) for event, pairs in by_event.items()}
+                self._retired = {event: tuple(sorted(found)) for event, found in retired_by_event.items()}
                 self._version = version
             self._fresh_until = sent + REFRESH_S
 
@@ -120,7 +147,8 @@ class Subscriptions:
 
     def _write(self, listeners: Iterable[Listener], retirement: timedelta) -> bool:
         now = int(time.time() * 1000)
-        args: list[Any] = [now, now - int(retirement.total_seconds() * 1000)]
+        retire_before, forget_before = (now - int(after.total_seconds() * 1000) for after in (retirement, RETIRED_KEPT))
+        args: list[Any] = [now, retire_before, forget_before]
         for listener in listeners:
             args += [listener.actor_name, spec(listener)]
         _version, changed = self._declare(keys=list(self.keys), args=args)

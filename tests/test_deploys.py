@@ -37,7 +37,7 @@ StartReplica = Callable[..., Replica]
 
 @pytest.fixture
 def replica(tmp_path: Path, namespace: str, database_url: str, engine: sa.Engine) -> Iterator[StartReplica]:
-    """Start ``dramatiq tests.apps.deploy_app`` with the listeners named, consuming the queues named."""
+    """Start ``dramatiq tests.apps.deploy_app`` with the listeners named, consuming the queues named (only)."""
     with engine.begin() as conn:
         conn.execute(sa.text(DEPLOY_RUNS))
     started: list[Replica] = []
@@ -45,7 +45,8 @@ def replica(tmp_path: Path, namespace: str, database_url: str, engine: sa.Engine
     def start(listeners: str, queues: str, **env: str) -> Replica:
         settings = {"VALKEY_NAMESPACE": namespace, "DB_URL": database_url, "GP_TEST_LISTENERS": listeners,
                     "WORKER_QUEUES": queues, "OUTBOX_POLL_INTERVAL_MAX": "100ms", **env}  # fmt: skip
-        started.append(Replica("tests.apps.deploy_app", settings, tmp_path / f"replica-{len(started)}.log"))
+        log, consumed = tmp_path / f"replica-{len(started)}.log", [q for q in queues.split(",") if q]
+        started.append(Replica("tests.apps.deploy_app", settings, log, args=["--queues", *consumed]))
         wait_for(started[-1].started, timeout=30)
         return started[-1]
 
@@ -102,6 +103,27 @@ def test_a_listener_no_worker_declares_any_more_is_retired_from_the_fan_out(repl
     assert {o for (name, o) in _runs(engine, namespace) if name == "legacy"} == {0, 1, 2}
     assert ready(make_kit(), "legacy") == 0
     assert rdb.hkeys(keys.listeners(namespace)) == [f"listener:{Ordered.__gp_event__.name}:mail"]
+
+
+def test_an_event_committed_while_a_listener_was_live_reaches_it_when_fanned_out_after_its_retirement(
+    replica, engine, namespace, rdb, make_kit
+):
+    legacy = f"listener:{Ordered.__gp_event__.name}:legacy"
+    # Nobody consumes `default` yet: the events' fan-out waits there, as one retried, or held
+    # by a worker killed with it, waits until after the listener is retired.
+    old = replica("mail,legacy", "mail,legacy", WORKER_LISTENER_RETIREMENT="2s")
+    _commit(engine, range(3))
+    wait_for(lambda: ready(make_kit(), "default") == 3, timeout=30)
+    old.stop()
+    replica("mail", "mail", WORKER_LISTENER_RETIREMENT="2s")
+    wait_for(lambda: not rdb.hexists(keys.listeners(namespace), legacy), timeout=10)
+    replica("mail", "default,mail", WORKER_LISTENER_RETIREMENT="2s")
+    # Written while `legacy` was live: fanned out to it, to wait in its queue for a worker that has it.
+    wait_for(lambda: ready(make_kit(), "legacy") == 3, timeout=30)
+    _commit(engine, range(3, 6))
+    wait_for(lambda: {o for (name, o) in _runs(engine, namespace) if name == "mail"} == set(range(6)), timeout=30)
+    time.sleep(0.5)
+    assert ready(make_kit(), "legacy") == 3  # not the events written after its retirement
 
 
 def test_a_backfill_sends_a_new_listener_the_events_committed_before_it_was_live(

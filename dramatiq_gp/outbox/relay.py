@@ -174,6 +174,7 @@ class Relay:
                     sa.cast(T.payload, sa.Text).label("payload"),
                     sa.cast(T.trace_context, sa.Text).label("trace_context"),
                     T.attempts,
+                    T.created_at,
                 )
                 .where(T.published_at.is_(None), T.failed_at.is_(None), T.available_at <= now)
                 .order_by(T.available_at)
@@ -242,7 +243,10 @@ class Relay:
         except PayloadMismatch as exc:
             raise PoisonEvent(str(exc)) from None
         event_id = str(row.id)
-        envelope: dict[str, Any] = {"id": event_id, "event": row.event, "data": payload}
+        # ``at``: a listener retired after the event was written still gets it (see subscriptions).
+        written = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
+        envelope: dict[str, Any] = {"id": event_id, "event": row.event, "data": payload,
+                                    "at": int(written.timestamp() * 1000)}  # fmt: skip
         message: Message[Any] = Message(
             queue_name=EVENT_QUEUE,
             actor_name=event_actor(row.event),

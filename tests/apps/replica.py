@@ -12,17 +12,18 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 class Replica:
-    """``dramatiq <app>`` with ``env`` added to this environment, its output in ``log``."""
+    """``dramatiq <app> [args]`` with ``env`` added to this environment, its output in ``log``."""
 
-    def __init__(self, app: str, env: dict[str, str], log: Path, threads: int = 2) -> None:
+    def __init__(self, app: str, env: dict[str, str], log: Path, threads: int = 2, args: Sequence[str] = ()) -> None:
         self.log_file = log
-        command = [sys.executable, "-m", "dramatiq", app, "-p", "1", "-t", str(threads)]
+        command = [sys.executable, "-m", "dramatiq", app, "-p", "1", "-t", str(threads), *args]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
                 command, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
