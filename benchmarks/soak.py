@@ -345,6 +345,13 @@ class Soak:
                 return
             time.sleep(0.005)
         self.handovers_ms.append(float("inf"))
+        # Why: the last things that happened before (a fault the SIGTERM met), and who holds the lease now.
+        holder: dict[str, str] = {}
+        with contextlib.suppress(Exception):
+            holder = {k.decode(): v.decode() for k, v in client.hgetall(keys.leader).items()}
+        what = f"no hand-over within {4 * LEASE_TTL_S} s of the SIGTERM (old pids {sorted(old_pids)}); lease {holder}"
+        self.timeline.append((time.time(), what))
+        print(what, flush=True)
 
     def _deploy_figures(self) -> dict[str, Any]:
         """What ``--deploys`` adds to the result (see the module docstring)."""

@@ -10,6 +10,7 @@ from types import FrameType
 from typing import ParamSpec, TypeVar
 
 from dramatiq import cli
+from dramatiq.errors import ConnectionClosed
 from dramatiq.middleware import MiddlewareError
 
 P = ParamSpec("P")
@@ -47,6 +48,17 @@ class PayloadMismatch(GPError, ValueError):
 
 class RegistrationError(GPError, ValueError):
     """A listener was registered with a bad name, handler or option."""
+
+
+class ConfirmTimeout(GPError, ConnectionClosed):
+    """RabbitMQ did not confirm a send within ``RABBITMQ_CONFIRM_TIMEOUT``.
+
+    The message names the queue and the likely cause: a quorum queue with a majority
+    of its nodes down takes a message and confirms it only once the majority is back
+    (it may then still be delivered; a send again under the same id is deduplicated).
+    A :class:`dramatiq.errors.ConnectionClosed`, so what retries a lost connection
+    (the outbox relay, a retried task) retries this too.
+    """
 
 
 class BrokerUnreachable(GPError, ConnectionError):

@@ -13,8 +13,9 @@ idempotency claim or done mark of a message id), ``<ns>:gp:skipped`` (messages
 skipped for want of a handler, per task type), and what the dashboard reads
 without scanning the keyspace: ``<ns>:gp:queues`` (the queues consumed),
 ``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:throughput:<minute>`` (the
-messages settled per queue and minute) and ``<ns>:gp:failures`` (the latest
-failures); the listeners the worker processes declare, which every fan-out
+messages settled per queue and minute), ``<ns>:gp:failures`` (the latest
+failures) and ``<ns>:gp:unconfirmed`` (RabbitMQ queues whose sends go
+unconfirmed); the listeners the worker processes declare, which every fan-out
 reaches: ``<ns>:gp:listeners``, ``<ns>:gp:listeners:seen``,
 ``<ns>:gp:listeners:version`` and ``<ns>:gp:listeners:retired``. The scheduler's,
 under ``<scheduler namespace>:scheduler:``: see :class:`SchedulerKeys`.
@@ -81,6 +82,11 @@ def throughput(namespace: str, minute: int) -> str:
 def failures(namespace: str) -> str:
     """The latest failed attempts, newest first, as JSON (a list capped by :mod:`.middleware.failures`)."""
     return f"{namespace}:gp:failures"
+
+
+def unconfirmed(namespace: str) -> str:
+    """RabbitMQ queue → when (ms) a send to it last went unconfirmed, until one is confirmed again (a hash)."""
+    return f"{namespace}:gp:unconfirmed"
 
 
 def listeners(namespace: str) -> str:

@@ -201,6 +201,7 @@ class Kit:
 
             urls = rabbitmq.urls()
             options.setdefault("queue_type", rabbitmq.queue_type)
+            options.setdefault("confirm_timeout_ms", rabbitmq.confirm_timeout.total_seconds() * 1000)
             return RabbitmqBroker(
                 url=urls if len(urls) > 1 else urls[0], client=client, middleware=middleware, **options
             )

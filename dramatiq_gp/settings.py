@@ -241,6 +241,8 @@ class BrokerSettings(BaseSettings):
     url: SecretStr | None = Field(default=None, validation_alias="BROKER_URL")
     #: ``quorum`` (replicated over the cluster; the default) or ``classic``.
     queue_type: Literal["quorum", "classic"] = "quorum"
+    #: How long a send waits for RabbitMQ's confirm before it fails with ``ConfirmTimeout``.
+    confirm_timeout: Duration = Field(default=timedelta(seconds=10), ge=timedelta(milliseconds=100))
 
     @model_validator(mode="after")
     def _amqp(self) -> BrokerSettings:

@@ -24,19 +24,30 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingConnection
 
-#: How long a batch may wait for its confirms before it counts as not sent.
-CONFIRM_TIMEOUT_S = 60.0
+#: How long a batch may wait for its confirms before it counts as not sent (``RABBITMQ_CONFIRM_TIMEOUT``).
+CONFIRM_TIMEOUT_S = 10.0
 
 
 class NotConfirmed(pika.exceptions.AMQPChannelError):  # type: ignore[misc]
     """RabbitMQ refused (nack) or could not route (return) a message of the batch, or never confirmed it."""
 
 
-class BatchPublisher:
-    """A channel of ``connection`` in confirm mode, publishing batches and awaiting their confirms together."""
+class NoReply(NotConfirmed):
+    """RabbitMQ did not confirm within the timeout: a quorum queue without a majority of its nodes takes
+    a message and neither confirms nor refuses it until the majority is back."""
 
-    def __init__(self, connection: BlockingConnection) -> None:
+
+class BatchPublisher:
+    """A channel of ``connection`` in confirm mode, publishing batches and awaiting their confirms together.
+
+    Parameters:
+        connection: a thread's connection.
+        timeout_s: how long a batch waits for its confirms (:class:`NoReply` after).
+    """
+
+    def __init__(self, connection: BlockingConnection, timeout_s: float = CONFIRM_TIMEOUT_S) -> None:
         self.connection = connection
+        self.timeout_s = timeout_s
         self.channel = connection.channel()
         self._published = 0  # the last delivery tag handed out
         self._outstanding: set[int] = set()
@@ -54,6 +65,7 @@ class BatchPublisher:
         """Publish each ``(queue, body, properties)`` and return once RabbitMQ has confirmed them all.
 
         Raises:
+            NoReply: some were not confirmed within the timeout.
             NotConfirmed: a message was refused or could not be routed (its queue is gone).
             pika.exceptions.AMQPError: the channel or the connection closed first.
         """
@@ -79,7 +91,7 @@ class BatchPublisher:
         declare) run ``_flush_output`` with a predicate, as this does.
         """
         expired: list[bool] = []
-        timer = self.connection._impl.ioloop.call_later(CONFIRM_TIMEOUT_S, lambda: expired.append(True))
+        timer = self.connection._impl.ioloop.call_later(self.timeout_s, lambda: expired.append(True))
         try:
             self.connection._flush_output(lambda: bool(done() or expired or self.channel.is_closed))
         finally:
@@ -87,7 +99,7 @@ class BatchPublisher:
         if self.channel.is_closed:
             raise pika.exceptions.ChannelClosed(-1, f"the channel closed while waiting for {what}")
         if not done():
-            raise NotConfirmed(f"no reply from RabbitMQ to {what} within {CONFIRM_TIMEOUT_S:.0f} s")
+            raise NoReply(f"no reply from RabbitMQ to {what} within {self.timeout_s:g} s")
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method

@@ -13,6 +13,15 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   returns once RabbitMQ has taken the message, not when it left the socket.
   :meth:`RabbitmqBroker.enqueue_many` (the outbox relay's) publishes a batch at
   once and then awaits all its confirms (:mod:`~dramatiq_gp.brokers.publisher`).
+* **No send waits forever.** Dramatiq's ``enqueue`` waits for its confirm without
+  a limit, and a quorum queue that lost the majority of its nodes neither
+  confirms nor refuses: a web request sending a task hung for as long as the
+  outage. Every send here (one message, a batch, a retry's copy, a dead letter)
+  waits at most ``confirm_timeout_ms`` (``RABBITMQ_CONFIRM_TIMEOUT``), then fails
+  with :class:`~dramatiq_gp.errors.ConfirmTimeout` naming the queue. The first
+  such failure of a queue is logged once, with its cause, and recorded in
+  Redis/Valkey for ``dramatiq-gp status``; the first confirm after it is logged
+  as the recovery.
 * **An ack or nack goes to the channel that delivered the message**, or nowhere.
   Delivery tags are numbered per channel from 1; after a reconnect Dramatiq acks
   a message fetched on the old channel with the *new* consumer, where the same
@@ -41,7 +50,10 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   ``queues``.
 
 The Dramatiq internals relied on (Dramatiq 2.2, pinned by
-``tests/test_rabbitmq.py``): ``RabbitmqBroker._build_queue_arguments`` and
+``tests/test_rabbitmq.py``): ``enqueue``'s steps, which :meth:`RabbitmqBroker.enqueue`
+repeats with its own publish (the delay queue's copy with its ``eta``, ``declare_queue``
+with ``ensure``, the hooks around the publish, ``MAX_ENQUEUE_ATTEMPTS`` on a closed
+connection), ``RabbitmqBroker._build_queue_arguments`` and
 ``_declare_xq_queue``, ``declare_queue`` (its ``ensure`` flag) with ``queues``,
 ``queues_pending`` and ``_ensure_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its constructor
 setting ``connection``, ``channel``, ``iterator`` and ``known_tags``; ``_nack``;
@@ -68,16 +80,16 @@ import pika.exceptions
 import redis
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
-from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, _RabbitmqConsumer, _RabbitmqMessage
+from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, MAX_ENQUEUE_ATTEMPTS, _RabbitmqConsumer, _RabbitmqMessage
 from dramatiq.brokers.rabbitmq import RabbitmqBroker as DramatiqRabbitmqBroker
-from dramatiq.common import current_millis, q_name, xq_name
+from dramatiq.common import current_millis, dq_name, q_name, xq_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 
 from .. import keys
-from ..errors import BrokerUnreachable, ConfigError
+from ..errors import BrokerUnreachable, ConfigError, ConfirmTimeout
 from ..lua import scripts
 from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, settlement
-from .publisher import BatchPublisher, NotConfirmed
+from .publisher import CONFIRM_TIMEOUT_S, BatchPublisher, NoReply, NotConfirmed
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
@@ -86,6 +98,8 @@ _SCRIPTS = scripts(__file__)
 
 #: How often a consumer records its process's heartbeat, and the messages settled since, in Redis for the dashboard.
 BEAT_EVERY_S = 5.0
+#: How long the record of a queue whose sends went unconfirmed is kept, for ``dramatiq-gp status``.
+UNCONFIRMED_KEPT_MS = 3_600_000
 #: On a message acked with a retry's copy published: counted as retried, not done.
 _RETRIED_ATTR = "_gp_retried"
 
@@ -105,6 +119,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         confirm_delivery: wait for RabbitMQ's confirm of every send (default on).
         settle_window_ms: how long the settles of finished messages are collected to
             be written together (``WORKER_SETTLE_WINDOW``); 0 settles each at once.
+        confirm_timeout_ms: how long a send waits for RabbitMQ's confirm before it
+            fails with :class:`~dramatiq_gp.errors.ConfirmTimeout` (``RABBITMQ_CONFIRM_TIMEOUT``).
         **options: :class:`dramatiq.brokers.rabbitmq.RabbitmqBroker`'s (``url``,
             ``middleware``, ``max_priority`` with classic queues, pika's parameters).
 
@@ -130,6 +146,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         queue_type: str = "quorum",
         confirm_delivery: bool = True,
         settle_window_ms: float = 1,
+        confirm_timeout_ms: float = CONFIRM_TIMEOUT_S * 1000,
         **options: Any,
     ) -> None:
         if queue_type not in QUEUE_TYPES:
@@ -143,6 +160,10 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self.client = client if client is not None else redis.Redis()
         self.namespace = namespace
         self.unknown_task_grace_ms = unknown_task_grace_ms
+        self.confirm_timeout_s = confirm_timeout_ms / 1000
+        #: Queue → when (monotonic) its sends stopped being confirmed in time, until one is again.
+        self._unconfirmed: dict[str, float] = {}
+        self._unconfirmed_lock = threading.Lock()
         #: This worker process, in the heartbeats and worker records the dashboard reads (as Dramatiq's Redis broker).
         self.broker_id = str(uuid4())
         self._start_worker_record()
@@ -153,6 +174,97 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         if settle_window_ms > 0:
             self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000,
                                    retry_on=(ConnectionClosed,))  # fmt: skip
+
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        """Dramatiq's ``enqueue``, whose wait for the confirm ends after ``confirm_timeout_ms``.
+
+        Raises:
+            ConfirmTimeout: RabbitMQ did not confirm in time (not tried again: each try would wait as long).
+            ConnectionClosed: the connection closed on every attempt.
+        """
+        if not self.confirm_delivery:
+            return super().enqueue(message, delay=delay)
+        canonical = message.queue_name
+        if delay is not None:
+            message = message.copy(queue_name=dq_name(canonical), options={"eta": current_millis() + delay})
+        attempts = 0
+        while True:
+            try:
+                self.declare_queue(canonical, ensure=True)
+                self.emit_before("enqueue", message, delay)
+                self._confirmed([message])
+                self.emit_after("enqueue", message, delay)
+                return message
+            except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError, ConnectionClosed) as exc:
+                if not isinstance(exc, ConnectionClosed):  # the declare's
+                    del self.connection
+                attempts += 1
+                if isinstance(exc, ConfirmTimeout) or attempts >= MAX_ENQUEUE_ATTEMPTS:
+                    self.send_failed(message, exc)
+                    if isinstance(exc, ConnectionClosed):
+                        raise
+                    raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+            except BaseException as exc:
+                self.send_failed(message, exc)
+                raise
+
+    def _confirmed(self, messages: Sequence[Message[Any]]) -> None:
+        """Publish ``messages`` on this thread's :class:`BatchPublisher` and wait for their confirms.
+
+        Raises:
+            ConfirmTimeout: not confirmed within ``confirm_timeout_ms`` (logged once per queue and outage).
+            ConnectionClosed: the connection or the channel closed, or a message was refused or unroutable.
+        """
+        try:
+            self._batch_publisher().publish([
+                (message.queue_name, message.encode(),
+                 pika.BasicProperties(delivery_mode=2, priority=message.options.get("broker_priority")))
+                for message in messages
+            ])  # fmt: skip
+        except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
+            del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
+            queues = {q_name(message.queue_name) for message in messages}
+            if isinstance(exc, NoReply):
+                raise self._no_confirm(sorted({message.queue_name for message in messages})) from None
+            if isinstance(exc, NotConfirmed):  # a queue may be gone: declare them again
+                self.queues_pending.update(queues)
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        if self._unconfirmed:
+            self._confirmed_again({message.queue_name for message in messages})
+
+    def _no_confirm(self, queues: list[str]) -> ConfirmTimeout:
+        """The error for sends to ``queues`` left unconfirmed; the first of an outage logged, and recorded."""
+        named = ", ".join(repr(queue) for queue in queues)
+        error = ConfirmTimeout(  # type: ignore[no-untyped-call]
+            f"RabbitMQ at {self._where()} did not confirm a send to queue {named} within "
+            f"{self.confirm_timeout_s:g} s (RABBITMQ_CONFIRM_TIMEOUT): the queue has likely lost its quorum "
+            "(a majority of its nodes down); it may still be delivered once they are back"
+        )
+        with self._unconfirmed_lock:
+            new = [queue for queue in queues if queue not in self._unconfirmed]
+            for queue in new:
+                self._unconfirmed[queue] = time.monotonic()
+        if new:
+            logger.warning("%s; sends to it fail until it confirms again", error)
+        at = current_millis()
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for queue in queues:
+                    pipe.hset(keys.unconfirmed(self.namespace), queue, at)
+                pipe.pexpire(keys.unconfirmed(self.namespace), UNCONFIRMED_KEPT_MS)
+                pipe.execute()
+        except redis.RedisError as exc:  # only status reads it: the send's own error matters
+            logger.warning("could not record the unconfirmed queue(s) for dramatiq-gp status: %s", exc)
+        return error
+
+    def _confirmed_again(self, queues: set[str]) -> None:
+        with self._unconfirmed_lock:
+            back = {queue: self._unconfirmed.pop(queue) for queue in queues if queue in self._unconfirmed}
+        for queue, since in back.items():
+            logger.warning("RabbitMQ confirms sends to queue %r again, after %.1f s", queue, time.monotonic() - since)
+        if back:
+            with contextlib.suppress(redis.RedisError):  # kept for a while only: status stops believing it
+                self.client.hdel(keys.unconfirmed(self.namespace), *back)
 
     def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
         """Publish ``messages`` at once and return when RabbitMQ has confirmed them all (:mod:`.publisher`).
@@ -169,15 +281,9 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         try:
             for queue in queues:
                 self.declare_queue(queue, ensure=True)
-            self._batch_publisher().publish([
-                (message.queue_name, message.encode(),
-                 pika.BasicProperties(delivery_mode=2, priority=message.options.get("broker_priority")))
-                for message in messages
-            ])  # fmt: skip
+            self._confirmed(messages)
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
-            if isinstance(exc, NotConfirmed):  # a queue may be gone: declare them again
-                self.queues_pending.update(queues)
             for message in messages:
                 self.send_failed(message, exc)
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
@@ -193,7 +299,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         """This thread's :class:`BatchPublisher`, on this thread's connection."""
         publisher: BatchPublisher | None = getattr(self.state, "publisher", None)
         if publisher is None or not publisher.usable or publisher.connection is not self.connection:
-            publisher = self.state.publisher = BatchPublisher(self.connection)
+            publisher = self.state.publisher = BatchPublisher(self.connection, self.confirm_timeout_s)
         return publisher
 
     def beat(self, *, now: bool = False) -> None:
@@ -308,20 +414,20 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                     consumer.settle_on_channel([(message, "requeue")])
 
     def _publish(self, copy: Message[Any]) -> None:
-        """Publish an already announced ``copy`` on its queue, confirmed."""
+        """Publish an already announced ``copy`` on its queue, confirmed (within ``confirm_timeout_ms``)."""
         try:
             self.declare_queue(q_name(copy.queue_name), ensure=True)
-            self.channel.basic_publish(
-                exchange="",
-                routing_key=copy.queue_name,
-                body=copy.encode(),
-                properties=pika.BasicProperties(delivery_mode=2, priority=copy.options.get("broker_priority")),
-                mandatory=self.confirm_delivery,
-            )
+            if self.confirm_delivery:
+                self._confirmed([copy])
+            else:
+                self.channel.basic_publish(
+                    exchange="",
+                    routing_key=copy.queue_name,
+                    body=copy.encode(),
+                    properties=pika.BasicProperties(delivery_mode=2, priority=copy.options.get("broker_priority")),
+                )
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones
-            if isinstance(exc, pika.exceptions.UnroutableError):  # its queue is gone: declare it again
-                self.queues_pending.add(q_name(copy.queue_name))
             self.send_failed(copy, exc)
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         except BaseException as exc:
