@@ -842,12 +842,17 @@ def status(as_json: bool) -> None:
         oldest = f" (oldest {box['oldest_pending_age_s']} s)" if box["oldest_pending_age_s"] is not None else ""
         click.echo(f"outbox: {box['pending']} pending{oldest}, {box['set_aside']} set aside")
     for queue in report["queues"]:
+        if queue.get("unknown"):  # RabbitMQ: its counts cannot be trusted now
+            click.echo(f"queue {queue['name']}: counts unknown ({queue['unknown']}), "
+                       f"{queue['in_flight']} in flight")  # fmt: skip
+            continue
         if queue["ready"] is None:  # its name is not UTF-8: marked
             click.echo(f"queue {queue['name']}: not counted")
             continue
-        if queue["in_flight"] is None:  # RabbitMQ: what workers hold is not visible over AMQP
-            click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['delayed']} delayed, "
-                       f"{queue['dead']} dead, {queue['consumers']} consumers (RabbitMQ)")  # fmt: skip
+        if "consumers" in queue:
+            click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
+                       f"{queue['delayed']} delayed, {queue['dead']} dead, {queue['consumers']} consumers "
+                       "(RabbitMQ)")  # fmt: skip
             continue
         click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
                    f"{queue['delayed']} delayed, {queue['dead']} dead")  # fmt: skip

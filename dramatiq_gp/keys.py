@@ -14,10 +14,11 @@ skipped for want of a handler, per task type), and what the dashboard reads
 without scanning the keyspace: ``<ns>:gp:queues`` (the queues consumed),
 ``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:throughput:<minute>`` (the
 messages settled per queue and minute), ``<ns>:gp:failures`` (the latest
-failures) and ``<ns>:gp:unconfirmed`` (RabbitMQ queues whose sends go
-unconfirmed); the listeners the worker processes declare, which every fan-out
-reaches: ``<ns>:gp:listeners``, ``<ns>:gp:listeners:seen``,
-``<ns>:gp:listeners:version`` and ``<ns>:gp:listeners:retired``. The scheduler's,
+failures); on RabbitMQ, ``<ns>:gp:unconfirmed`` (the queues whose sends go
+unconfirmed) and ``<ns>:gp:held:<broker id>`` (what a worker process holds);
+the listeners the worker processes declare, which every fan-out reaches:
+``<ns>:gp:listeners``, ``<ns>:gp:listeners:seen``, ``<ns>:gp:listeners:version``
+and ``<ns>:gp:listeners:retired``. The scheduler's,
 under ``<scheduler namespace>:scheduler:``: see :class:`SchedulerKeys`.
 """
 
@@ -82,6 +83,11 @@ def throughput(namespace: str, minute: int) -> str:
 def failures(namespace: str) -> str:
     """The latest failed attempts, newest first, as JSON (a list capped by :mod:`.middleware.failures`)."""
     return f"{namespace}:gp:failures"
+
+
+def held(namespace: str, broker_id: str) -> str:
+    """Queue → messages one RabbitMQ worker process holds unsettled, as of its last beat (a hash)."""
+    return f"{namespace}:gp:held:{broker_id}"
 
 
 def unconfirmed(namespace: str) -> str:

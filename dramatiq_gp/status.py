@@ -221,17 +221,48 @@ def _garbled(name: str) -> str:
     return ""
 
 
-def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
-    """Per queue the kit declared on RabbitMQ: messages ready, delayed and dead-lettered, and consumers.
+#: A send to a queue unconfirmed this recently makes its counts unknown (a minute: the outbox relay and
+#: a retried task try again well within it; a record left by a process since gone ages out).
+UNCONFIRMED_RECENT_MS = 60_000
+#: A worker process's record of what it holds is counted if its heartbeat is this recent.
+HELD_RECENT_MS = 15_000
 
-    AMQP tells only what waits on a queue: what a worker holds (running,
-    prefetched, or a delayed message waiting in its memory) is not counted.
+
+def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
+    """Per queue the kit declared on RabbitMQ: messages ready, in flight, delayed and dead-lettered, and consumers.
+
+    AMQP tells only what waits on a queue; what the live worker processes hold
+    (running, prefetched, or delayed and waiting in their memory until due) comes
+    from the records their heartbeats write, and is added. A queue a send went
+    unconfirmed to in the last minute has likely lost its quorum: RabbitMQ's
+    counts for it are then stale or 0, so it is given as unknown (``None``), with
+    ``unknown`` saying why.
     """
     import pika
     import pika.exceptions
-    from dramatiq.common import dq_name, xq_name
+    from dramatiq.common import dq_name, q_name, xq_name
 
-    names = sorted(text(n) for n in client.smembers(keys.declared_queues(namespace)))
+    now = int(datetime.now(UTC).timestamp() * 1000)
+    with client.pipeline(transaction=False) as pipe:
+        pipe.smembers(keys.declared_queues(namespace))
+        pipe.hgetall(keys.unconfirmed(namespace))
+        pipe.zrangebyscore(keys.heartbeats(namespace), now - HELD_RECENT_MS, "+inf")
+        declared, unconfirmed, live = pipe.execute()
+    with client.pipeline(transaction=False) as pipe:
+        for broker_id in live:
+            pipe.hgetall(keys.held(namespace, text(broker_id)))
+        records = pipe.execute()
+    held: dict[str, int] = {}
+    for record in records:
+        for queue, n in record.items():
+            if text(n).isdigit():
+                held[text(queue)] = held.get(text(queue), 0) + int(n)
+    since: dict[str, int] = {}
+    for queue, at in unconfirmed.items():
+        if text(at).isdigit() and int(at) >= now - UNCONFIRMED_RECENT_MS:
+            family = q_name(text(queue))
+            since[family] = max(since.get(family, 0), int(at))
+    names = sorted(text(n) for n in declared)
     connection = pika.BlockingConnection([pika.URLParameters(url) for url in urls])
     try:
         channel = connection.channel()
@@ -247,8 +278,14 @@ def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) 
             if counts[0] is None:
                 continue
             ready, delayed, dead = (c.message_count if c is not None else 0 for c in counts)
-            queues.append({"name": name, "ready": ready, "in_flight": None, "delayed": delayed, "dead": dead,
-                           "consumers": counts[0].consumer_count})  # fmt: skip
+            row = {"name": name, "ready": ready, "in_flight": held.get(name, 0),
+                   "delayed": delayed + held.get(dq_name(name), 0), "dead": dead,
+                   "consumers": counts[0].consumer_count, "unknown": None}  # fmt: skip
+            if name in since:
+                at = datetime.fromtimestamp(since[name] / 1000, UTC).isoformat(timespec="seconds")
+                row.update(ready=None, delayed=None, dead=None,
+                           unknown=f"a send to it went unconfirmed at {at}: its quorum is likely lost")  # fmt: skip
+            queues.append(row)
         return queues
     finally:
         connection.close()

@@ -38,6 +38,7 @@ from dramatiq.rate_limits import RateLimitExceeded
 from dramatiq.threading import Interrupt
 from dramatiq.worker import ConsumerThread, WorkerThread, _WorkQueueItem
 
+from dramatiq_gp.middleware import TaskLog, task_log
 from helpers import wait_for
 from servers import OwnRedis
 
@@ -524,6 +525,40 @@ def test_consumer_thread_drops_its_delayed_messages_on_a_connection_error_and_bu
         thread.stop()
         thread.join(5)
         client.close()
+
+
+def test_a_consumer_threads_connection_errors_go_to_its_logger_and_task_log_says_each_outage_once(
+    connect, own_redis, monkeypatch, caplog
+):
+    # Dramatiq logs each failed reconnect CRITICAL, and "Restarting consumer" at INFO, every second.
+    monkeypatch.setattr(dramatiq.worker, "CONSUMER_RESTART_DELAY_SECS", 0.05)
+    monkeypatch.setattr(task_log, "OUTAGE_QUIET_S", 1.0)
+    broker = connect("own", cls=_RecordsConsume, url=own_redis.url)
+    thread = ConsumerThread(broker=broker, queue_name=Q, prefetch=10, work_queue=queue.PriorityQueue(),
+                            worker_timeout=50)  # fmt: skip
+    assert thread.logger.name == f"dramatiq.worker.ConsumerThread({Q})"
+    TaskLog().after_consumer_thread_boot(broker, thread)
+    caplog.set_level(logging.DEBUG, logger=thread.logger.name)
+
+    def lost() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.msg == "Consumer encountered a connection error: %s"]
+
+    thread.start()
+    try:
+        for outage in (1, 2):
+            own_redis.stop()
+            wait_for(lambda errors=3 * outage: len(lost()) >= errors)
+            own_redis.start()
+            # Consuming again: quiet for longer than OUTAGE_QUIET_S, so the next error is another outage.
+            wait_for(lambda: time.time() - lost()[-1].created > 1.1, timeout=15)
+    finally:
+        thread.stop()
+        thread.join(5)
+    levels = [r.levelname for r in lost()]
+    assert levels.count("WARNING") == 2 and levels[0] == "WARNING", levels
+    assert set(levels) == {"WARNING", "INFO"}
+    restarting = [r.levelname for r in caplog.records if r.msg.startswith("Restarting consumer")]
+    assert restarting.count("INFO") == 2 and set(restarting) == {"INFO", "DEBUG"}, restarting
 
 
 class _SignalsWithEnqueue(Signals):

@@ -37,6 +37,7 @@ from dramatiq_gp.outbox import OUTBOX_EVENTS
 from dramatiq_gp.outbox.relay import Relay
 from dramatiq_gp.registry import EVENT_QUEUE
 from dramatiq_gp.settings import OutboxSettings, SchedulerSettings
+from dramatiq_gp.status import rabbitmq_queue_status
 from helpers import RABBITMQ_URL as URL
 from helpers import rabbitmq_unreachable, wait_for
 
@@ -438,15 +439,45 @@ def test_status_reads_the_queue_depths_from_rabbitmq(make_kit, default_queues, c
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     done = CliRunner().invoke(cli_main, ["status"])
     assert done.exit_code == 0, done.output
-    assert "queue default: 3 ready, 0 delayed, 0 dead, 0 consumers (RabbitMQ)" in done.output.splitlines()
+    assert "queue default: 3 ready, 0 in flight, 0 delayed, 0 dead, 0 consumers (RabbitMQ)" in done.output.splitlines()
     report = json.loads(CliRunner().invoke(cli_main, ["status", "--json"]).output)
     (default,) = [q for q in report["queues"] if q["name"] == EVENT_QUEUE]
-    assert default == {"name": "default", "ready": 3, "in_flight": None, "delayed": 0, "dead": 0, "consumers": 0}
+    assert default == {"name": "default", "ready": 3, "in_flight": 0, "delayed": 0, "dead": 0, "consumers": 0,
+                       "unknown": None}  # fmt: skip
 
     clean_env.setenv("BROKER_URL", "amqp://guest:guest@127.0.0.1:1/%2F")
     done = CliRunner().invoke(cli_main, ["status"])
     assert done.exit_code == 1
     assert done.output.splitlines()[-1].startswith("Error: RabbitMQ unreachable at amqp://guest:***@127.0.0.1:1/")
+
+
+def test_status_counts_the_delayed_messages_and_the_running_ones_a_worker_holds_in_memory(
+    make_broker, queue_name, redis_url, namespace
+):
+    # RabbitMQ counts only what waits on a queue: a worker holds a delayed message, unacked,
+    # until it is due, and status showed 0 delayed with 20 pending.
+    broker = make_broker(client=redis.Redis.from_url(redis_url), namespace=namespace)
+    release = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.slow")
+    def slow() -> None:
+        release.wait(30)
+
+    for _ in range(20):
+        slow.send_with_options(delay=600_000)
+    slow.send()
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+
+        def counted() -> dict[str, Any]:
+            return next(q for q in rabbitmq_queue_status([URL], broker.client, namespace) if q["name"] == queue_name)
+
+        wait_for(lambda: (counted()["delayed"], counted()["in_flight"]) == (20, 1), timeout=15)
+        assert broker.get_queue_message_counts(queue_name)[:2] == (0, 0)  # what AMQP alone says
+    finally:
+        release.set()
+        worker.stop()
 
 
 def test_the_broker_is_gp_rabbitmq_broker():

@@ -69,6 +69,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -171,6 +172,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self._beat_at = 0.0
         self._counts: dict[str, int] = {}  #: ``<queue>:done|retried|dead`` settled since the last beat
         self._counts_lock = threading.Lock()
+        #: The open consumers, whose unsettled deliveries the beat records (what AMQP does not count).
+        self._consumers: weakref.WeakSet[_Consumer] = weakref.WeakSet()
         if settle_window_ms > 0:
             self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000,
                                    retry_on=(ConnectionClosed,))  # fmt: skip
@@ -303,11 +306,14 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         return publisher
 
     def beat(self, *, now: bool = False) -> None:
-        """Record this process's heartbeat and the messages settled since, every :data:`BEAT_EVERY_S`.
+        """Record this process's heartbeat, the messages settled since, and what it holds, every :data:`BEAT_EVERY_S`.
 
         For the dashboard's worker list and throughput: on Redis, Dramatiq's fetch
-        records the heartbeat and ``settle.lua`` counts. One round trip per beat,
-        none per message. Only the dashboard reads them: a failure is logged, not
+        records the heartbeat and ``settle.lua`` counts. What this process holds
+        unsettled, per queue (running or prefetched; on a delay queue, the delayed
+        messages waiting in its memory until they are due), is what RabbitMQ's counts
+        leave out: ``dramatiq-gp status`` adds it. One round trip per beat, none per
+        message. Only the dashboard and status read them: a failure is logged, not
         raised, and the counts wait for the next beat.
         """
         if not now and time.monotonic() < self._beat_at:
@@ -324,12 +330,29 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                     pipe.hincrby(throughput, field, n)
                 if counts:
                     pipe.pexpire(throughput, 7_200_000)
+                consumed = {c.queue_name for c in list(self._consumers) if not c.queue_name.endswith(".DQ")}
+                if consumed:  # again: a Redis/Valkey that lost its data would list none until a restart
+                    pipe.sadd(keys.declared_queues(self.namespace), *consumed)
+                held_key = keys.held(self.namespace, self.broker_id)
+                pipe.delete(held_key)
+                held = self.held()
+                if held:
+                    pipe.hset(held_key, items=[part for pair in held.items() for part in pair])
+                    pipe.pexpire(held_key, int(3 * BEAT_EVERY_S * 1000))
                 pipe.execute()
         except redis.RedisError as exc:
             with self._counts_lock:
                 for field, n in counts.items():
                     self._counts[field] = self._counts.get(field, 0) + n
             logger.warning("could not record this worker's heartbeat and throughput for the dashboard: %s", exc)
+
+    def held(self) -> dict[str, int]:
+        """Per queue (a delay queue apart), the messages this process's consumers hold unsettled."""
+        held: dict[str, int] = {}
+        for consumer in list(self._consumers):
+            if consumer.known_tags:
+                held[consumer.queue_name] = held.get(consumer.queue_name, 0) + len(consumer.known_tags)
+        return held
 
     def count_settled(self, queue_name: str, message: Any, command: str) -> None:
         if command == "requeue":
@@ -521,6 +544,7 @@ class _Consumer(_RabbitmqConsumer):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)  # type: ignore[no-untyped-call]
         self._ready: deque[Any] = deque()
+        self.broker._consumers.add(self)
         if not self.queue_name.endswith(".DQ"):
             self.broker.register_consumer(self.queue_name)
 
@@ -621,6 +645,7 @@ class _Consumer(_RabbitmqConsumer):
     def close(self) -> None:
         """Hand over the pending settles first: a graceful stop leaves nothing to run again."""
         self.broker.flush_settles(retry=False)
+        self.broker._consumers.discard(self)
         super().close()  # type: ignore[no-untyped-call]
 
     def settle_on_channel(self, settles: Sequence[tuple[Any, str]]) -> None:

@@ -10,7 +10,11 @@ an event payload set aside (:class:`~dramatiq_gp.PayloadMismatch`: it names the 
 that will be retried because a server was out of reach (the broker, Redis/Valkey: a
 fan-out's send during a node's failure) is one WARNING without a traceback, and
 the next ones INFO, until a task succeeds again: sixteen tracebacks per node
-failure said nothing the first line did not. Every other Dramatiq log
+failure said nothing the first line did not. Likewise a consumer that lost its
+connection: Dramatiq logs it CRITICAL, and "Restarting consumer" at INFO, every
+second of the outage (ten CRITICAL lines per worker per node failure); here the
+first of an outage is a WARNING and the rest INFO and DEBUG, until the consumer
+has gone :data:`OUTAGE_QUIET_S` without one. Every other Dramatiq log
 line is kept. The fields are also passed as ``extra`` so a structured formatter
 can use them. ``LOG_LEVEL=WARN`` silences the INFO lines.
 """
@@ -51,6 +55,34 @@ class _ReplacedByTaskLog(logging.Filter):
         return record.msg not in self.LINES
 
 
+#: A consumer's connection errors this far apart are two outages, each worth a WARNING.
+OUTAGE_QUIET_S = 30.0
+
+
+class _ConsumerOutage(logging.Filter):
+    """One consumer thread's connection errors: the first of an outage a WARNING, the rest quieter."""
+
+    LOST = "Consumer encountered a connection error: %s"
+    RESTARTING = "Restarting consumer in %0.2f seconds."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = -OUTAGE_QUIET_S
+        self._said = False  # this outage was logged already
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == self.LOST:
+            self._said = record.created - self._last < OUTAGE_QUIET_S
+            self._last = record.created
+            record.levelno = logging.INFO if self._said else logging.WARNING
+        elif record.msg == self.RESTARTING and self._said:
+            record.levelno = logging.DEBUG
+        else:
+            return True
+        record.levelname = logging.getLevelName(record.levelno)
+        return record.levelno >= logging.getLogger(record.name).getEffectiveLevel()
+
+
 def _this_module(stack_info: bool = False, stacklevel: int = 1) -> tuple[str, int, str, str | None]:
     return __file__, 0, "TaskLog", None
 
@@ -61,7 +93,9 @@ class TaskLog(Middleware):
     Hooks: ``before_process_message``, ``after_process_message`` (listed before
     :class:`Retries`, it reads its verdict) and ``after_skip_message``; it filters
     Dramatiq's own per-task lines out of ``dramatiq.worker.WorkerThread``, and its
-    retry lines out of ``dramatiq.middleware.retries.Retries``. Works on
+    retry lines out of ``dramatiq.middleware.retries.Retries``; and
+    ``after_consumer_thread_boot``, to quiet a consumer thread's connection errors
+    (a filter on the thread's ``logger``, a Dramatiq internal). Works on
     any broker.
 
     Parameters:
@@ -78,6 +112,11 @@ class TaskLog(Middleware):
             replaced = logging.getLogger(name)
             if not any(isinstance(f, _ReplacedByTaskLog) for f in replaced.filters):
                 replaced.addFilter(_ReplacedByTaskLog())
+
+    def after_consumer_thread_boot(self, broker: Broker, thread: Any) -> None:
+        # Dramatiq's consumer thread logs through ``thread.logger``, ``dramatiq.worker.ConsumerThread(<queue>)``.
+        if not any(isinstance(f, _ConsumerOutage) for f in thread.logger.filters):
+            thread.logger.addFilter(_ConsumerOutage())
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         attempt = message.options.get("retries", 0) + 1
