@@ -33,9 +33,12 @@ When the time is up the load stops, the system settles, and the ledger is read:
   through the inbox);
 * ``stuck_messages``: messages still ready, in flight or delayed after settling (on
   RabbitMQ: ready or unacknowledged on a queue or delay queue), and
-  ``dead_letters``: messages dead-lettered other than the garbage pushed in and the
-  messages for the unknown task type (``unknown_task_skipped``: those skipped into
-  the dead-letter set after their grace, as counted for ``dramatiq-gp status``);
+  ``dead_letters``: messages dead-lettered other than the garbage pushed in, the
+  messages for the unknown task type and the copies for retired listeners, read
+  from the dead letters themselves (``dead_letter_census``: each kind);
+  ``dead_letters_missing``: garbage or unknown-type messages pushed in and found
+  in no dead-letter set or queue (``unknown_task_skipped``: those skipped into the
+  dead-letter set after their grace, as counted for ``dramatiq-gp status``);
 * ``set_aside`` against ``poison_events``; ``rss_mb_start`` (minute 2) and
   ``rss_mb_end``: the largest worker process.
 
@@ -722,8 +725,10 @@ class Soak:
         skipped = all_skipped.get("soak.no_such_actor", 0)
         retired = sum(n for task_type, n in all_skipped.items() if task_type.startswith("listener:soak.parcel:"))
         # Dead letters other than those pushed in on purpose and the copies for retired listeners:
-        # messages that failed every retry.
-        dead_letters = sum(q["dead"] for q in queues) - self.garbage - skipped - retired
+        # messages that failed every retry. Read from the dead letters themselves: the counters
+        # can be off (a skip counted twice when its ack was lost, a Redis restart).
+        census = self._dead_letter_census([q["name"] for q in queues])
+        dead_letters = census["other"]
         if stuck and self.rabbitmq is None:  # where the stuck ones are: whose unacked sets, do those workers beat
             now = time.time() * 1000
             beats = {
@@ -771,7 +776,56 @@ class Soak:
             "unknown_task_messages": self.unknown,
             "unknown_task_skipped": skipped,
             "retired_listener_skipped": retired,
+            "dead_letter_census": dict(census),
+            # Pushed in on purpose, and not found among the dead letters: lost on the way there.
+            "dead_letters_missing": max(0, self.garbage - census["garbage"])
+            + max(0, self.unknown - census["unknown_task"]),
         }
+
+    def _dead_letter_census(self, queues: list[str]) -> Counter[str]:
+        """The dead letters of ``queues`` by kind: ``garbage`` (not a message), ``unknown_task``
+        (``soak.no_such_actor``), ``retired_listener`` (a ``soak.parcel`` listener's), ``other``."""
+        census: Counter[str] = Counter()
+
+        def note(data: bytes) -> None:
+            try:
+                message = json.loads(data)
+            except (ValueError, RecursionError):
+                message = None
+            if not isinstance(message, dict) or not isinstance(message.get("actor_name"), str):
+                census["garbage"] += 1
+            elif message["actor_name"] == "soak.no_such_actor":
+                census["unknown_task"] += 1
+            elif message["actor_name"].startswith("listener:soak.parcel:"):
+                census["retired_listener"] += 1
+            else:
+                census["other"] += 1
+
+        if self.rabbitmq is None:
+            import redis
+
+            client = redis.Redis.from_url(self.redis.url)
+            try:
+                for queue in queues:
+                    for data in client.hvals(f"{self.namespace}:{queue}.XQ.msgs"):
+                        note(data)
+            finally:
+                client.close()
+            return census
+        import pika
+
+        connection = pika.BlockingConnection([pika.URLParameters(url) for url in self.rabbitmq.urls])
+        try:
+            channel = connection.channel()
+            for queue in queues:
+                while True:  # read without acking: closing the channel puts every one back
+                    method, _properties, body = channel.basic_get(f"{queue}.XQ")
+                    if method is None:
+                        break
+                    note(body)
+        finally:
+            connection.close()
+        return census
 
     def _ticks_missed(self, runs: dict[datetime, int]) -> int:
         """Seconds with no run between an entry's first tick and the end of the load."""

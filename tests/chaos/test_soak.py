@@ -28,5 +28,6 @@ def test_the_shop_keeps_every_promise_through_faults(tmp_path: Path) -> None:
     assert set(result["ticks"]) == {"soak.tick", "soak.beat"}, result  # the job and the event entry both ran
     assert (result["ticks_missed"], result["ticks_duplicated"]) == (0, 0), result
     assert (result["stuck_messages"], result["outbox_pending"], result["dead_letters"]) == (0, 0, 0), result
+    assert result["dead_letters_missing"] == 0, result  # every garbage and unknown-type message set aside
     assert result["set_aside"] == result["poison_events"], result
     assert result["unknown_task_skipped"] == result["unknown_task_messages"], result  # dead-lettered, counted
