@@ -376,6 +376,43 @@ def test_an_undecodable_or_malformed_message_goes_to_the_dead_letter_queue_in_on
     assert "Failed to decode" not in caplog.text
 
 
+@pytest.mark.parametrize("kind", ["failed", "malformed"])
+def test_a_dead_letter_is_published_and_confirmed_never_dropped_by_the_dead_letter_exchange(
+    kind, make_broker, queue_name
+):
+    # RabbitMQ's dead-letter exchange moves a nacked message at most once from a quorum queue:
+    # with its dead-letter queue unavailable (here: deleted), a nacked message was gone.
+    broker = make_broker(middleware=[dramatiq.middleware.Retries()])
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.fails", max_retries=0)
+    def fails() -> None:
+        raise RuntimeError("for good")
+
+    broker.declare_queue(queue_name, ensure=True)
+    broker.channel.queue_delete(xq_name(queue_name))
+    if kind == "failed":
+        sent = fails.send().message_id
+    else:
+        broker.channel.basic_publish("", queue_name, b"\xff not json", pika.BasicProperties(delivery_mode=2))
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 1), timeout=15)
+    finally:
+        worker.stop()
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        _, _, body = connection.channel().basic_get(xq_name(queue_name), auto_ack=True)
+    finally:
+        connection.close()
+    if kind == "failed":
+        kept = dramatiq.Message.decode(body)
+        assert (kept.message_id, kept.queue_name) == (sent, xq_name(queue_name))
+        assert "RuntimeError: for good" in kept.options["traceback"]
+    else:
+        assert body == b"\xff not json"
+
+
 def test_a_task_type_no_worker_knows_is_held_then_skipped_to_the_dead_letter_queue(
     make_broker, queue_name, redis_url, namespace, caplog
 ):

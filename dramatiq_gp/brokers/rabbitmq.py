@@ -29,6 +29,12 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   RabbitMQ put the old channel's unacked messages back when it closed, so
   there is nothing left to settle for them.
 
+* **A dead letter is published, confirmed, then the message acked.** Dramatiq nacks
+  a message that failed for good (and the consumer a malformed one) into its
+  dead-letter queue through RabbitMQ's dead-letter exchange, which quorum queues
+  do at most once: a dead letter moved while a node fails can be lost. Here its
+  copy is published to ``<queue>.XQ`` and confirmed before the message is acked,
+  as the kit's own dead letters (unknown task types) always were.
 * It is a :class:`~dramatiq_gp.brokers.base.KitBroker`: ``client`` is the Redis/Valkey
   beside it for the coordination state (idempotency claims and done marks). A
   message is settled in this order: a retry's or deferral's copy is published to
@@ -101,6 +107,8 @@ _SCRIPTS = scripts(__file__)
 BEAT_EVERY_S = 5.0
 #: How long the record of a queue whose sends went unconfirmed is kept, for ``dramatiq-gp status``.
 UNCONFIRMED_KEPT_MS = 3_600_000
+#: On a message whose dead letter is published: acked, counted as dead.
+_DEAD_LETTERED_ATTR = "_gp_dead_lettered"
 #: On a message acked with a retry's copy published: counted as retried, not done.
 _RETRIED_ATTR = "_gp_retried"
 
@@ -218,22 +226,26 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             ConfirmTimeout: not confirmed within ``confirm_timeout_ms`` (logged once per queue and outage).
             ConnectionClosed: the connection or the channel closed, or a message was refused or unroutable.
         """
+        self._confirmed_bodies([
+            (message.queue_name, message.encode(), message.options.get("broker_priority")) for message in messages
+        ])  # fmt: skip
+
+    def _confirmed_bodies(self, items: Sequence[tuple[str, bytes, int | None]]) -> None:
+        """:meth:`_confirmed` for ``(queue, body, priority)`` items."""
         try:
             self._batch_publisher().publish([
-                (message.queue_name, message.encode(),
-                 pika.BasicProperties(delivery_mode=2, priority=message.options.get("broker_priority")))
-                for message in messages
+                (queue, body, pika.BasicProperties(delivery_mode=2, priority=priority))
+                for queue, body, priority in items
             ])  # fmt: skip
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
-            queues = {q_name(message.queue_name) for message in messages}
             if isinstance(exc, NoReply):
-                raise self._no_confirm(sorted({message.queue_name for message in messages})) from None
+                raise self._no_confirm(sorted({queue for queue, _, _ in items})) from None
             if isinstance(exc, NotConfirmed):  # a queue may be gone: declare them again
-                self.queues_pending.update(queues)
+                self.queues_pending.update(q_name(queue) for queue, _, _ in items)
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         if self._unconfirmed:
-            self._confirmed_again({message.queue_name for message in messages})
+            self._confirmed_again({queue for queue, _, _ in items})
 
     def _no_confirm(self, queues: list[str]) -> ConfirmTimeout:
         """The error for sends to ``queues`` left unconfirmed; the first of an outage logged, and recorded."""
@@ -378,7 +390,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         so collecting it would only add the hand-over to the settler's thread.
         """
         consumer: _Consumer | None = getattr(message, "_consumer", None)
-        if settlement(message) is None and consumer is not None:
+        if settlement(message) is None and consumer is not None and command == "ack":
             consumer.settle_on_channel([(message, command)])
         else:
             super().settle_soon(queue_name, message, command)
@@ -391,7 +403,10 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                 it happened. The batch can be written again: a copy already
                 confirmed is not sent twice, and an outcome written twice is the same.
         """
-        for _, message, command in batch:
+        for queue_name, message, command in batch:
+            if command == "nack" and self.confirm_delivery and not message.__dict__.get(_DEAD_LETTERED_ATTR):
+                self._publish(message.copy(queue_name=xq_name(q_name(queue_name))))  # raises, as a copy's does
+                setattr(message, _DEAD_LETTERED_ATTR, True)
             plan = settlement(message)
             if plan is None or plan.redeliver is None:
                 continue
@@ -598,7 +613,7 @@ class _Consumer(_RabbitmqConsumer):
             logger.error(
                 "a message on queue %r is malformed: %s; moved to the dead-letter queue", self.queue_name, problem
             )
-            self._nack(method.delivery_tag)  # type: ignore[no-untyped-call]
+            self._set_aside(method.delivery_tag, body)
             return None
         message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, decoded)  # type: ignore[no-untyped-call]
         self.known_tags.add(method.delivery_tag)
@@ -608,6 +623,17 @@ class _Consumer(_RabbitmqConsumer):
             self.broker.hold_or_skip_unknown(self, message)
             return None
         return message
+
+    def _set_aside(self, tag: int, body: bytes) -> None:
+        """Publish ``body`` to the dead-letter queue, confirmed, then ack it (a nack's dead letter may be lost)."""
+        if self.broker.confirm_delivery:
+            queue = xq_name(q_name(self.queue_name))
+            self.broker.declare_queue(q_name(self.queue_name), ensure=True)
+            # As it came: it is no message. Raises ConnectionClosed: it stays unacked, and comes back.
+            self.broker._confirmed_bodies([(queue, body, None)])
+            self.channel.basic_ack(tag)
+        else:
+            self._nack(tag)  # type: ignore[no-untyped-call]
 
     def wake(self) -> None:
         """End the wait for messages now: the worker is stopping this consumer.
@@ -669,7 +695,7 @@ class _Consumer(_RabbitmqConsumer):
                 continue
             self.known_tags.discard(message._tag)
             self.broker.count_settled(self.queue_name, message, command)
-            if command == "ack":
+            if command == "ack" or message.__dict__.get(_DEAD_LETTERED_ATTR):
                 calls.append(partial(self.channel.basic_ack, message._tag))
             else:
                 calls.append(partial(self.channel.basic_nack, message._tag, requeue=command == "requeue"))
