@@ -318,6 +318,7 @@ def test_broker_url_puts_the_kits_queues_on_rabbitmq_and_listeners_run_there(
         env={"BROKER_URL": URL},
     )
     assert isinstance(kit.broker, RabbitmqBroker) and kit.broker.queue_type == "quorum"
+    assert kit.broker.confirm_timeout_s == 10  # RABBITMQ_CONFIRM_TIMEOUT's default
     kit.check_connection()
     kit.dispatch(Paid(1))
     assert kit.broker.get_queue_message_counts(EVENT_QUEUE)[0] == 1
@@ -333,6 +334,8 @@ def test_broker_url_puts_the_kits_queues_on_rabbitmq_and_listeners_run_there(
     [
         ({"BROKER_URL": "http://127.0.0.1:5672"}, "BROKER_URL='http://127.0.0.1:5672' has scheme 'http'"),
         ({"BROKER_URL": URL, "RABBITMQ_QUEUE_TYPE": "mirrored"}, "RABBITMQ_QUEUE_TYPE='mirrored'"),
+        ({"BROKER_URL": URL, "RABBITMQ_CONFIRM_TIMEOUT": "soon"}, "RABBITMQ_CONFIRM_TIMEOUT='soon'"),
+        ({"BROKER_URL": URL, "RABBITMQ_CONFIRM_TIMEOUT": "10ms"}, "RABBITMQ_CONFIRM_TIMEOUT='10ms'"),
     ],
 )
 def test_a_bad_broker_setting_is_one_line_naming_it(env, error, clean_env):
