@@ -20,6 +20,7 @@ from .errors import (
     GPError,
     HandlerPanic,
     PayloadMismatch,
+    QuorumLost,
     RegistrationError,
 )
 from .events import event, event_type
@@ -72,6 +73,7 @@ __all__ = [
     "PanicRecovery",
     "PayloadMismatch",
     "QueueWeights",
+    "QuorumLost",
     "RecentFailures",
     "RedisBroker",
     "RegisterFunc",

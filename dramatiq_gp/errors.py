@@ -50,14 +50,21 @@ class RegistrationError(GPError, ValueError):
     """A listener was registered with a bad name, handler or option."""
 
 
-class ConfirmTimeout(GPError, ConnectionClosed):
+class QuorumLost(GPError, ConnectionClosed):
+    """A send to a RabbitMQ queue failed because the queue has likely lost its quorum.
+
+    A quorum queue with a majority of its nodes down cannot be declared, and takes a
+    message without confirming it until the majority is back. The message names the
+    queue. A :class:`dramatiq.errors.ConnectionClosed`, so what retries a lost
+    connection (the outbox relay, a retried task) retries this too.
+    """
+
+
+class ConfirmTimeout(QuorumLost):
     """RabbitMQ did not confirm a send within ``RABBITMQ_CONFIRM_TIMEOUT``.
 
-    The message names the queue and the likely cause: a quorum queue with a majority
-    of its nodes down takes a message and confirms it only once the majority is back
-    (it may then still be delivered; a send again under the same id is deduplicated).
-    A :class:`dramatiq.errors.ConnectionClosed`, so what retries a lost connection
-    (the outbox relay, a retried task) retries this too.
+    The message may still be delivered once the majority is back; a send again
+    under the same id is deduplicated by an idempotent actor.
     """
 
 

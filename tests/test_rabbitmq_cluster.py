@@ -212,7 +212,10 @@ def test_with_the_majority_down_every_send_fails_within_the_confirm_limit_and_al
     assert kit.relay is not None
     probe = dramatiq.actor(lambda: None, actor_name="gp_cluster_probe", queue_name="probe", broker=kit.broker)
     probe.send()  # the queues exist, with a member on each node, before the outage
-    kit.dispatch(Numbered(0))
+    kit.broker.declare_queue(EVENT_QUEUE, ensure=True)
+    with engine.begin() as conn:
+        gp.dispatch(conn, Numbered(0))
+    assert kit.relay.relay_once() == 1
 
     _stop_nodes(cluster, 1, 2)
     caplog.set_level(logging.INFO)

@@ -93,7 +93,7 @@ from dramatiq.common import current_millis, dq_name, q_name, xq_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 
 from .. import keys
-from ..errors import BrokerUnreachable, ConfigError, ConfirmTimeout
+from ..errors import BrokerUnreachable, ConfigError, ConfirmTimeout, QuorumLost
 from ..lua import scripts
 from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, settlement
 from .publisher import CONFIRM_TIMEOUT_S, BatchPublisher, NoReply, NotConfirmed
@@ -190,7 +190,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         """Dramatiq's ``enqueue``, whose wait for the confirm ends after ``confirm_timeout_ms``.
 
         Raises:
-            ConfirmTimeout: RabbitMQ did not confirm in time (not tried again: each try would wait as long).
+            QuorumLost: RabbitMQ did not confirm in time (:class:`ConfirmTimeout`; not tried again: each
+                try would wait as long), or cannot declare the queue.
             ConnectionClosed: the connection closed on every attempt.
         """
         if not self.confirm_delivery:
@@ -210,7 +211,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                 if not isinstance(exc, ConnectionClosed):  # the declare's
                     del self.connection
                 attempts += 1
-                if isinstance(exc, ConfirmTimeout) or attempts >= MAX_ENQUEUE_ATTEMPTS:
+                if isinstance(exc, QuorumLost) or attempts >= MAX_ENQUEUE_ATTEMPTS:
                     self.send_failed(message, exc)
                     if isinstance(exc, ConnectionClosed):
                         raise
@@ -247,14 +248,17 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         if self._unconfirmed:
             self._confirmed_again({queue for queue, _, _ in items})
 
-    def _no_confirm(self, queues: list[str]) -> ConfirmTimeout:
+    def _no_confirm(self, queues: list[str]) -> QuorumLost:
         """The error for sends to ``queues`` left unconfirmed; the first of an outage logged, and recorded."""
         named = ", ".join(repr(queue) for queue in queues)
-        error = ConfirmTimeout(  # type: ignore[no-untyped-call]
+        return self._no_quorum(queues, ConfirmTimeout(  # type: ignore[no-untyped-call]
             f"RabbitMQ at {self._where()} did not confirm a send to queue {named} within "
             f"{self.confirm_timeout_s:g} s (RABBITMQ_CONFIRM_TIMEOUT): the queue has likely lost its quorum "
             "(a majority of its nodes down); it may still be delivered once they are back"
-        )
+        ))  # fmt: skip
+
+    def _no_quorum(self, queues: list[str], error: QuorumLost) -> QuorumLost:
+        """``error``, for ``queues``; the first of an outage logged, and recorded for ``dramatiq-gp status``."""
         with self._unconfirmed_lock:
             new = [queue for queue in queues if queue not in self._unconfirmed]
             for queue in new:
@@ -513,13 +517,22 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         consumed: it is created on the server without joining ``queues``, whose every
         member the worker consumes."""
         canonical = q_name(queue_name)
-        if ensure and canonical not in self.queues:
-            if canonical not in self._sent_only:
-                self._sent_only.add(canonical)
-                self.queues_pending.add(canonical)
-            self._ensure_queue(canonical)  # type: ignore[no-untyped-call]
-            return
-        super().declare_queue(queue_name, ensure=ensure)
+        try:
+            if ensure and canonical not in self.queues:
+                if canonical not in self._sent_only:
+                    self._sent_only.add(canonical)
+                    self.queues_pending.add(canonical)
+                self._ensure_queue(canonical)  # type: ignore[no-untyped-call]
+                return
+            super().declare_queue(queue_name, ensure=ensure)
+        except ConnectionClosed as exc:
+            if "cluster_not_formed" not in str(exc):
+                raise
+            # A quorum queue declared while the majority of its nodes is down.
+            raise self._no_quorum([canonical], QuorumLost(  # type: ignore[no-untyped-call]
+                f"RabbitMQ at {self._where()} cannot declare queue {canonical!r}: it has lost its quorum "
+                "(cluster_not_formed: a majority of its nodes down)"
+            )) from None  # fmt: skip
 
     def _build_queue_arguments(self, queue_name: str) -> dict[str, Any]:
         arguments: dict[str, Any] = super()._build_queue_arguments(queue_name)  # type: ignore[no-untyped-call]
