@@ -317,7 +317,7 @@ def test_on_rabbitmq_the_overview_reads_the_queues_from_it_and_the_workers_and_t
         row = re.search(r'<tr data-queue="default">(.*?)</tr>', page.body, re.S)
         assert row, page.body
         cells = re.findall(r'<td class="n[^"]*">(.*?)</td>', row.group(1), re.S)
-        # ready, in flight (what workers hold, from their records), delayed, dead, consumers, weight (no worker yet), done per minute
+        # ready, in flight (what workers hold), delayed, dead, consumers, weight (no worker yet), done per minute
         assert cells == ["7", "0", "0", "0", "0", "—", "0"], cells  # nothing held by a worker
         assert "On RabbitMQ the dead letters are in each queue" in browser.open("/dead-letters").body
 
