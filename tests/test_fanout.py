@@ -7,13 +7,15 @@ import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 import pytest
 
 import dramatiq_gp as gp
+from dramatiq_gp import keys, subscriptions
+from dramatiq_gp.subscriptions import Subscriptions
 from helpers import ready, wait_for
 
 
@@ -163,3 +165,29 @@ def test_module_level_dispatch_uses_the_current_kit(make_kit, start_worker):
     gp.dispatch(ORDER)
     start_worker(kit)
     wait_for(lambda: seen == [ORDER])
+
+
+def test_a_retired_listener_is_owed_the_events_written_before_its_retirement_and_forgotten_after_a_week(
+    rdb, namespace, monkeypatch
+):
+    registry = gp.Registry()
+    registry.listen(Anything, lambda event: None, name="old")
+    declared = Subscriptions(rdb, namespace)
+    declared.declare(registry.listeners(), timedelta(seconds=1))
+    task_type = f"listener:{Anything.__gp_event__.name}:old"
+    before = int(time.time() * 1000)
+    assert declared.of(Anything.__gp_event__.name) == ((task_type, "default"),)
+
+    time.sleep(1.1)
+    other = gp.Registry()
+    other.listen(OrderPlaced, lambda event: None, name="other")
+    declared.declare(other.listeners(), timedelta(seconds=1))  # any worker's declaration retires it
+    after = int(time.time() * 1000)
+    assert declared.of(Anything.__gp_event__.name) == ()  # live ones only
+    assert declared.of(Anything.__gp_event__.name, before) == ((task_type, "default"),)
+    assert declared.of(Anything.__gp_event__.name, after) == ()
+
+    monkeypatch.setattr(subscriptions, "RETIRED_KEPT", timedelta(0))
+    declared.declare(other.listeners(), timedelta(seconds=1))
+    assert declared.of(Anything.__gp_event__.name, before) == ()
+    assert rdb.hlen(keys.listeners_retired(namespace)) == 0
