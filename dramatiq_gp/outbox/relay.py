@@ -155,9 +155,9 @@ class Relay:
             self._thread.join(timeout)
 
     def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        listener, self._listener = self._listener, None  # the relay's thread and a stopping one may both close
+        if listener is not None:
+            listener.close()
 
     # -- one round -----------------------------------------------------------------
 
@@ -355,6 +355,7 @@ class Relay:
                 continue
             self._wait(interval)
             interval = min(interval * 2, poll_max)
+        self.close()  # its LISTEN connection: this thread's, and left open it is only closed when collected
 
     def _ensure_listening(self) -> None:
         if self._listener is not None or not (self.settings.notify and self._postgres):
