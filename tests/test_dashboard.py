@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -24,6 +25,7 @@ from typing import Any
 
 import dramatiq
 import pytest
+from click.testing import CliRunner
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.middleware import Middleware
@@ -33,6 +35,7 @@ from starlette.routing import Mount
 import dramatiq_gp as gp
 from devtools.asgi import serving
 from dramatiq_gp import deadletters, keys
+from dramatiq_gp.cli import main as cli_main
 from dramatiq_gp.dashboard import Credentials, create_app
 from helpers import (
     BAD_DEAD_LETTERS,
@@ -296,6 +299,27 @@ def test_with_credentials_every_request_needs_them(clean_env, namespace):
         assert Browser(base, {"Authorization": basic}).open("/").status == 200
         assert Browser(base, {"Authorization": f"Bearer {TOKEN}"}).open("/scheduler").status == 200
         assert Browser(base).open("/static/dashboard.css").status == 401
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_on_rabbitmq_a_queue_whose_sends_went_unconfirmed_shows_its_counts_as_unknown(broker, make_kit, namespace, rdb):
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
+    dramatiq.actor(lambda: None, broker=kit.broker, actor_name="work").send()
+    # What a process whose send RabbitMQ did not confirm records (see the cluster test for the real thing).
+    rdb.hset(keys.unconfirmed(namespace), "default", int(time.time() * 1000))
+    with serving(create_app()) as base:
+        row = re.search(r'<tr data-queue="default">(.*?)</tr>', Browser(base).open("/").body, re.S)
+        assert row and "counts unknown" in row.group(1) and "its quorum is likely lost" in row.group(1)
+        cells = re.findall(r'<td class="n[^"]*">(.*?)</td>', row.group(1), re.S)
+        assert cells[:4] == ["—", "0", "—", "—"], cells  # ready, in flight (held: known), delayed, dead
+    done = CliRunner().invoke(cli_main, ["status"])
+    (line,) = [line for line in done.output.splitlines() if line.startswith("queue default:")]
+    assert line.startswith("queue default: counts unknown (a send to it went unconfirmed at ") and line.endswith(
+        "its quorum is likely lost), 0 in flight"
+    )
+    rdb.hset(keys.unconfirmed(namespace), "default", int(time.time() * 1000) - 61_000)  # over a minute ago
+    report = json.loads(CliRunner().invoke(cli_main, ["status", "--json"]).output)
+    assert [q["unknown"] for q in report["queues"] if q["name"] == "default"] == [None]
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
