@@ -80,7 +80,7 @@ def _exited(pid: int) -> bool:
     """Whether process ``pid`` has ended (a zombie its parent has not reaped yet counts)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
         return True
 
 
