@@ -379,6 +379,16 @@ def test_an_undecodable_or_malformed_message_goes_to_the_dead_letter_queue_in_on
     assert "Failed to decode" not in caplog.text
 
 
+def _first_dead_letter(queue_name: str) -> bytes:
+    """The body of the first message in ``queue_name``'s dead-letter queue, taken off it."""
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        _, _, body = connection.channel().basic_get(xq_name(queue_name), auto_ack=True)
+    finally:
+        connection.close()
+    return bytes(body)
+
+
 @pytest.mark.parametrize("kind", ["failed", "malformed"])
 def test_a_dead_letter_is_published_and_confirmed_never_dropped_by_the_dead_letter_exchange(
     kind, make_broker, queue_name
@@ -403,11 +413,7 @@ def test_a_dead_letter_is_published_and_confirmed_never_dropped_by_the_dead_lett
         wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 1), timeout=15)
     finally:
         worker.stop()
-    connection = pika.BlockingConnection(pika.URLParameters(URL))
-    try:
-        _, _, body = connection.channel().basic_get(xq_name(queue_name), auto_ack=True)
-    finally:
-        connection.close()
+    body = _first_dead_letter(queue_name)
     if kind == "failed":
         kept = dramatiq.Message.decode(body)
         assert (kept.message_id, kept.queue_name) == (sent, xq_name(queue_name))
@@ -437,11 +443,7 @@ def test_a_task_type_no_worker_knows_is_held_then_skipped_to_the_dead_letter_que
         worker.stop()
     assert "holding its messages for up to 0 s" in caplog.text
     assert "task skipped: no handler registered for task type" in caplog.text
-    connection = pika.BlockingConnection(pika.URLParameters(URL))
-    try:
-        _, _, body = connection.channel().basic_get(xq_name(queue_name), auto_ack=True)
-    finally:
-        connection.close()
+    body = _first_dead_letter(queue_name)
     kept = dramatiq.Message.decode(body)
     assert kept.message_id == stranger.message_id
     assert "within 600ms (WORKER_UNKNOWN_TASK_GRACE)" in kept.options["gp_dead_letter_reason"]
