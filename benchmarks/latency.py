@@ -31,8 +31,14 @@ def run_phase(notify: bool, rate: int, seconds: float, db_url: str, redis_url: s
     namespace = f"gpbench-{uuid.uuid4().hex[:8]}"
     fd, record = tempfile.mkstemp(suffix=".json")
     os.close(fd)
-    env = {"DB_URL": db_url, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace, "OUTBOX_RELAY": "true",
-           "OUTBOX_NOTIFY": str(notify).lower(), "GP_BENCH_RECORD": record}  # fmt: skip
+    env = {
+        "DB_URL": db_url,
+        "REDIS_URL": redis_url,
+        "VALKEY_NAMESPACE": namespace,
+        "OUTBOX_RELAY": "true",
+        "OUTBOX_NOTIFY": str(notify).lower(),
+        "GP_BENCH_RECORD": record,
+    }
     relay = child("serve", env)
     gp.outbox.set_notify(notify)
     engine = sa.create_engine(db_url, pool_size=2)
@@ -72,8 +78,11 @@ def main(argv: list[str]) -> int:
             name = "notify" if notify else "poll"
             results[f"{name}_p50_ms"] = round(_percentile(latencies, 50), 2)
             results[f"{name}_p99_ms"] = round(_percentile(latencies, 99), 2)
-            print(f"{name:>6}: p50 {results[f'{name}_p50_ms']:7.2f} ms, p99 {results[f'{name}_p99_ms']:7.2f} ms "
-                  f"over {len(latencies)} events at {args.rate}/s", flush=True)  # fmt: skip
+            print(
+                f"{name:>6}: p50 {results[f'{name}_p50_ms']:7.2f} ms, p99 {results[f'{name}_p99_ms']:7.2f} ms "
+                f"over {len(latencies)} events at {args.rate}/s",
+                flush=True,
+            )
     if args.json:
         print(json.dumps({**results, "rate": args.rate}))
     return 0

@@ -41,8 +41,14 @@ def naive_once(kit: gp.Kit, batch: int) -> int:
         ).all()
         for row in rows:
             envelope = {"id": str(row.id), "event": row.event, "data": row.payload}
-            message = Message(queue_name=EVENT_QUEUE, actor_name=event_actor(row.event), args=(envelope,),
-                              kwargs={}, options={}, message_id=str(row.id))  # fmt: skip
+            message = Message(
+                queue_name=EVENT_QUEUE,
+                actor_name=event_actor(row.event),
+                args=(envelope,),
+                kwargs={},
+                options={},
+                message_id=str(row.id),
+            )
             kit.broker.enqueue(message)
         if rows:
             conn.execute(

@@ -117,9 +117,13 @@ def child(mode: str, env: dict[str, str]) -> subprocess.Popen[str]:
     """Start ``python -m benchmarks.outbox_child <mode>``; it prints ``ready`` when set up."""
     process = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.outbox_child", mode],
-        cwd=ROOT, env={**os.environ, **env}, text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, **env},
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     assert process.stdout is not None
     for line in process.stdout:
         if line.strip() == "ready":

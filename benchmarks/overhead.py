@@ -148,9 +148,25 @@ def run_one(
                 getattr(pipe, command)(key)
             return sum(pipe.execute())
 
-    command = [python, "-m", "benchmarks.overhead_worker", "--variant", variant, "--messages", str(messages),
-               "--threads", str(threads), "--prefetch", str(prefetch), "--core", str(core),
-               "--namespace", namespace, "--redis-url", redis_url]  # fmt: skip
+    command = [
+        python,
+        "-m",
+        "benchmarks.overhead_worker",
+        "--variant",
+        variant,
+        "--messages",
+        str(messages),
+        "--threads",
+        str(threads),
+        "--prefetch",
+        str(prefetch),
+        "--core",
+        str(core),
+        "--namespace",
+        namespace,
+        "--redis-url",
+        redis_url,
+    ]
     if variant in DB_VARIANTS:
         assert db_url is not None
         command += ["--db-url", db_url]
@@ -215,8 +231,9 @@ def run_one(
                 delete_rabbitmq_queues(ready_on_rabbitmq.url, ready_on_rabbitmq.queue)
     done, wall, cpu = first[1] - last[1], last[0] - first[0], last[2] - first[2]
     gc_us = gc_s / messages * 1e6 if gc_s is not None else None
-    return Run(msgs_per_s=done / wall, cpu_us_per_msg=cpu / done * 1e6, core_busy=cpu / wall, rss_mb=rss,
-               gc_us_per_msg=gc_us)  # fmt: skip
+    return Run(
+        msgs_per_s=done / wall, cpu_us_per_msg=cpu / done * 1e6, core_busy=cpu / wall, rss_mb=rss, gc_us_per_msg=gc_us
+    )
 
 
 class _ReadyOnRabbitmq:
@@ -330,8 +347,13 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
         python.update({peer: peer_python(args.peers_venv, peer) for peer in PEERS})
         variants += PEERS
     rabbitmq_url = args.rabbitmq_url if args.broker == "rabbitmq" else None
-    common = {"threads": args.threads, "core": core, "redis_url": redis_url, "db_url": db_url,
-              "rabbitmq_url": rabbitmq_url}  # fmt: skip
+    common = {
+        "threads": args.threads,
+        "core": core,
+        "redis_url": redis_url,
+        "db_url": db_url,
+        "rabbitmq_url": rabbitmq_url,
+    }
 
     summary: dict[str, object] = {}
     if args.prefetch is None:
@@ -378,8 +400,12 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
         summary[f"{variant}_msgs_per_s"] = round(run.msgs_per_s)
         if run.gc_us_per_msg is not None:
             summary[f"{variant}_gc_us_per_msg"] = round(run.gc_us_per_msg, 1)
-    ratios = {"kit": "cpu_ratio", "kit_quiet": "quiet_cpu_ratio", "listener": "listener_cpu_ratio",
-              "traced": "traced_cpu_ratio"}  # fmt: skip
+    ratios = {
+        "kit": "cpu_ratio",
+        "kit_quiet": "quiet_cpu_ratio",
+        "listener": "listener_cpu_ratio",
+        "traced": "traced_cpu_ratio",
+    }
     if "bare" in medians:
         for variant, key in ratios.items():
             if variant in medians:
@@ -397,8 +423,9 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
     for label in medians:  # async against sync, at the same thread count
         if label.startswith("async_io") and (sync := "sync" + label.removeprefix("async")) in medians:
             summary[f"{label}_ratio"] = round(medians[label].msgs_per_s / medians[sync].msgs_per_s, 3)
-    summary.update(broker=args.broker, bare_prefetch=prefetch, rounds=args.rounds, messages=args.messages,
-                   threads=args.threads)  # fmt: skip
+    summary.update(
+        broker=args.broker, bare_prefetch=prefetch, rounds=args.rounds, messages=args.messages, threads=args.threads
+    )
 
     print("medians:")
     for variant, run in medians.items():

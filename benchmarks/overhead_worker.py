@@ -22,8 +22,17 @@ import uuid
 from typing import Any
 
 DRAMATIQ_VARIANTS = (
-    "bare", "kit", "kit_quiet", "listener", "db_listener", "inbox", "inbox_noclaim", "traced", "sync_io", "async_io",
-)  # fmt: skip
+    "bare",
+    "kit",
+    "kit_quiet",
+    "listener",
+    "db_listener",
+    "inbox",
+    "inbox_noclaim",
+    "traced",
+    "sync_io",
+    "async_io",
+)
 #: The listeners that wait on I/O (50 ms): ``time.sleep`` in a plain one, ``asyncio.sleep`` in an ``async def`` one.
 IO_VARIANTS = ("sync_io", "async_io")
 IO_WAIT_S = 0.05
@@ -120,8 +129,18 @@ def _fill(broker: Any, messages: list[Any]) -> None:
             for message in messages[start : start + 1000]:
                 redis_id = str(uuid.uuid4())
                 data = message.copy(options={"redis_message_id": redis_id}).encode()
-                args = ["enqueue", current_millis(), message.queue_name, broker.broker_id, broker.heartbeat_timeout,
-                        broker.dead_message_ttl, 0, 1000, redis_id, data]  # fmt: skip
+                args = [
+                    "enqueue",
+                    current_millis(),
+                    message.queue_name,
+                    broker.broker_id,
+                    broker.heartbeat_timeout,
+                    broker.dead_message_ttl,
+                    0,
+                    1000,
+                    redis_id,
+                    data,
+                ]
                 dispatch(keys=[broker.namespace], args=args, client=pipe)
             pipe.execute()
 
@@ -306,8 +325,19 @@ def run_celery(messages: int, threads: int, prefetch: int, namespace: str, redis
         for n in range(messages):
             noop.apply_async((n,), queue=queue, producer=producer)
     _ready()
-    app.worker_main(["worker", "--pool=threads", f"--concurrency={threads}", "--loglevel=INFO",
-                     f"--logfile={log_path}", "-Q", queue, "--without-gossip", "--without-mingle"])  # fmt: skip
+    app.worker_main(
+        [
+            "worker",
+            "--pool=threads",
+            f"--concurrency={threads}",
+            "--loglevel=INFO",
+            f"--logfile={log_path}",
+            "-Q",
+            queue,
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )
     os.unlink(log_path)
 
 
@@ -366,8 +396,16 @@ def main(argv: list[str]) -> int:
     elif args.variant == "arq":
         run_arq(args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
     else:
-        run_dramatiq(args.variant, args.messages, args.threads, args.prefetch, args.namespace, args.redis_url,
-                     args.db_url, args.rabbitmq_url)  # fmt: skip
+        run_dramatiq(
+            args.variant,
+            args.messages,
+            args.threads,
+            args.prefetch,
+            args.namespace,
+            args.redis_url,
+            args.db_url,
+            args.rabbitmq_url,
+        )
     return 0
 
 

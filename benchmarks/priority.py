@@ -75,8 +75,11 @@ def main(argv: list[str]) -> int:
             env = {**os.environ, "dramatiq_queue_prefetch": str(prefetch)}
             done = subprocess.run(
                 [sys.executable, "-m", "benchmarks", "priority", "--child", kind, "--runs", str(args.runs)],
-                env=env, capture_output=True, text=True, check=True,
-            )  # fmt: skip
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             report["strict"][kind][prefetch] = int(done.stdout.strip().splitlines()[-1])
         print(
             f"prefetch {prefetch}: strict order in {report['strict']['dramatiq'][prefetch]}/{args.runs} runs "

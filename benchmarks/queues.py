@@ -84,8 +84,20 @@ def run_variant(variant: str, seconds: float, backlog: int, window: int, redis_u
 
 
 def _child(variant: str, seconds: float, backlog: int, window: int) -> dict[str, Any]:
-    command = [sys.executable, "-m", "benchmarks", "queues", "--variant", variant, "--seconds", str(seconds),
-               "--backlog", str(backlog), "--window", str(window)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "queues",
+        "--variant",
+        variant,
+        "--seconds",
+        str(seconds),
+        "--backlog",
+        str(backlog),
+        "--window",
+        str(window),
+    ]
     out = subprocess.run(command, check=True, capture_output=True, text=True, env=os.environ.copy())
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 

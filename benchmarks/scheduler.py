@@ -67,8 +67,11 @@ def main(argv: list[str]) -> int:
 
     ticks = sorted({f.tick for f in firings})
     expected = int((ticks[-1] - ticks[0]).total_seconds()) + 1
-    steady = [f.enqueued_ms - f.tick.timestamp() * 1000 for f in firings
-              if not any(a <= f.tick.timestamp() <= b for a, b in windows)]  # fmt: skip
+    steady = [
+        f.enqueued_ms - f.tick.timestamp() * 1000
+        for f in firings
+        if not any(a <= f.tick.timestamp() <= b for a, b in windows)
+    ]
     summary = {
         "stop": signal_sent.name,
         "failovers": len(takeovers),

@@ -124,8 +124,9 @@ class Replica:
     def start(self) -> None:
         command = [sys.executable, "-m", "dramatiq", "benchmarks.soak_worker", "-p", "2", "-t", "4"]
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def pids(self) -> list[int]:
         """The replica's worker processes."""
@@ -215,11 +216,21 @@ class Soak:
         metadata.create_all(self.engine)
         soak_tables.metadata.create_all(self.engine)
         # The default catch-up policy: every takeover here is within the misfire threshold.
-        env = {**os.environ, "REDIS_URL": self.redis.url, "DB_URL": db_url, "VALKEY_NAMESPACE": self.namespace,
-               "SCHEDULER_LEASE_TTL": f"{LEASE_TTL_S}s", "WORKER_MIN_BACKOFF": "200ms",
-               "WORKER_MAX_BACKOFF": "2s", "WORKER_SHUTDOWN_TIMEOUT": "10s", "WORKER_UNKNOWN_TASK_GRACE": "10s",
-               "OUTBOX_MAX_ATTEMPTS": "3", "SOAK_VERSION": "0",
-               "LOG_LEVEL": "WARN", "PYTHONPATH": str(ROOT)}  # fmt: skip
+        env = {
+            **os.environ,
+            "REDIS_URL": self.redis.url,
+            "DB_URL": db_url,
+            "VALKEY_NAMESPACE": self.namespace,
+            "SCHEDULER_LEASE_TTL": f"{LEASE_TTL_S}s",
+            "WORKER_MIN_BACKOFF": "200ms",
+            "WORKER_MAX_BACKOFF": "2s",
+            "WORKER_SHUTDOWN_TIMEOUT": "10s",
+            "WORKER_UNKNOWN_TASK_GRACE": "10s",
+            "OUTBOX_MAX_ATTEMPTS": "3",
+            "SOAK_VERSION": "0",
+            "LOG_LEVEL": "WARN",
+            "PYTHONPATH": str(ROOT),
+        }
         if self.deploys:
             # A copy for a new listener that an old worker fetches during a deploy is held until a new
             # worker takes it: for longer than a whole deploy lasts.
@@ -236,8 +247,16 @@ class Soak:
         started = time.monotonic()
         end = started + self.minutes * 60
         fault_gap = max(5.0, self.minutes * 60 / 40)
-        kinds = ["kill_replica", "kill_leader", "pause_leader", "redis_restart", "postgres_restart",
-                 "rolling_restart", "poison_event", "garbage_message"]  # fmt: skip
+        kinds = [
+            "kill_replica",
+            "kill_leader",
+            "pause_leader",
+            "redis_restart",
+            "postgres_restart",
+            "rolling_restart",
+            "poison_event",
+            "garbage_message",
+        ]
         next_fault, rotation = started + fault_gap, 0
         # Not in the rotation: aimed at the gap between an inbox commit and its ack, at least 4 times a run.
         commit_kill_gap = max(10.0, self.minutes * 60 / 6)
@@ -250,8 +269,9 @@ class Soak:
             if not self.rss_start and time.monotonic() - started >= min(120, self.minutes * 60 / 3):
                 self.rss_start = self._rss()
             if time.monotonic() >= next_node_kill:
-                kind = ("rabbitmq_kill_leader", "rabbitmq_kill_node")[sum(
-                    self.faults[k] for k in ("rabbitmq_kill_leader", "rabbitmq_kill_node")) % 2]  # fmt: skip
+                kind = ("rabbitmq_kill_leader", "rabbitmq_kill_node")[
+                    sum(self.faults[k] for k in ("rabbitmq_kill_leader", "rabbitmq_kill_node")) % 2
+                ]
                 self._inject(kind)
                 self.faults[kind] += 1
                 print(f"[{time.monotonic() - started:6.0f}s] fault {kind}", flush=True)
@@ -283,10 +303,15 @@ class Soak:
         rss_end = self._rss()
         self._settle()
         result = self._ledger()
-        result.update(broker=self.broker, minutes=self.minutes, faults_injected=sum(self.faults.values()),
-                      faults=dict(self.faults),
-                      rss_mb_start=round(self.rss_start, 1), rss_mb_end=round(rss_end, 1),
-                      events_per_s=round(len(self.committed) / (self.minutes * 60), 1))  # fmt: skip
+        result.update(
+            broker=self.broker,
+            minutes=self.minutes,
+            faults_injected=sum(self.faults.values()),
+            faults=dict(self.faults),
+            rss_mb_start=round(self.rss_start, 1),
+            rss_mb_end=round(rss_end, 1),
+            events_per_s=round(len(self.committed) / (self.minutes * 60), 1),
+        )
         if self.deploys:
             figures = self._deploy_figures()
             result.update(figures)
@@ -319,8 +344,12 @@ class Soak:
                     self._time_handover(client, stopping, old_pids)
                 replica.stop()
                 self.stops_s.append(time.time() - stopping)
-                still = {name for other in self.replicas if other.process is not None
-                         and other.process.poll() is None for name in parcel_listeners(other.version)}  # fmt: skip
+                still = {
+                    name
+                    for other in self.replicas
+                    if other.process is not None and other.process.poll() is None
+                    for name in parcel_listeners(other.version)
+                }
                 for name in set(parcel_listeners(replica.version)) - still:
                     self.gone_at.setdefault(name, time.time())
                 replica.env = {**replica.env, "SOAK_VERSION": str(version)}
@@ -384,13 +413,17 @@ class Soak:
             for order in missing[:5]:
                 at = self.committed_at[order]
                 published = self._published_at(order)
-                detail.append({
-                    "listener": name, "order": order, "s_after_live": round(at - live_from, 1),
-                    "s_before_gone": round(gone - at, 1) if gone != float("inf") else None,
-                    # Fanned out later than the retirement after ``gone``: the listener was no longer sent to.
-                    "s_published_after_commit": round(published - at, 1) if published is not None else None,
-                    "between": [what for when, what in self.timeline if at - 5 <= when <= min(gone, at + 120)],
-                })  # fmt: skip
+                detail.append(
+                    {
+                        "listener": name,
+                        "order": order,
+                        "s_after_live": round(at - live_from, 1),
+                        "s_before_gone": round(gone - at, 1) if gone != float("inf") else None,
+                        # Fanned out later than the retirement after ``gone``: the listener was no longer sent to.
+                        "s_published_after_commit": round(published - at, 1) if published is not None else None,
+                        "between": [what for when, what in self.timeline if at - 5 <= when <= min(gone, at + 120)],
+                    }
+                )
         return {
             "deploys": self.faults["deploy"],
             "versions": self.web_version,
@@ -410,8 +443,10 @@ class Soak:
         """When the relay fanned out the ``soak.parcel`` event of ``order`` (epoch seconds), if it is still kept."""
         import sqlalchemy as sa
 
-        query = sa.text("SELECT extract(epoch FROM published_at) FROM outbox_events "
-                        "WHERE event = 'soak.parcel' AND (payload::jsonb ->> 'order_id')::bigint = :order")  # fmt: skip
+        query = sa.text(
+            "SELECT extract(epoch FROM published_at) FROM outbox_events "
+            "WHERE event = 'soak.parcel' AND (payload::jsonb ->> 'order_id')::bigint = :order"
+        )
         with self.engine.connect() as conn:
             found = conn.execute(query, {"order": order}).scalar()
         return None if found is None else float(found)
@@ -501,8 +536,9 @@ class Soak:
                     if self.deploys:
                         # As the web application writes it: with the added field once that version is out.
                         parcel = {"order_id": order_id, **({"weight_g": 250} if self.web_version >= 3 else {})}
-                        session.execute(OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event="soak.parcel",
-                                                                      payload=parcel))  # fmt: skip
+                        session.execute(
+                            OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event="soak.parcel", payload=parcel)
+                        )
                 self.committed_at[order_id] = time.time()
                 self.committed.append(order_id)
                 order_id += 1
@@ -564,8 +600,13 @@ class Soak:
                 self.garbage += 1
             # A well-formed message no worker has an actor for: held for the grace period, then dead-lettered.
             key = f"unknown-{uuid.uuid4().hex}"
-            unknown = dramatiq.Message(queue_name="default", actor_name="soak.no_such_actor", args=(), kwargs={},
-                                       options={"redis_message_id": key})  # fmt: skip
+            unknown = dramatiq.Message(
+                queue_name="default",
+                actor_name="soak.no_such_actor",
+                args=(),
+                kwargs={},
+                options={"redis_message_id": key},
+            )
             client.hset(f"{self.namespace}:default.msgs", key, unknown.encode())
             client.rpush(f"{self.namespace}:default", key)
             self.unknown += 1
@@ -594,8 +635,9 @@ class Soak:
         try:
             channel = connection.channel()
             channel.confirm_delivery()
-            unknown = dramatiq.Message(queue_name="default", actor_name="soak.no_such_actor", args=(), kwargs={},
-                                       options={})  # fmt: skip
+            unknown = dramatiq.Message(
+                queue_name="default", actor_name="soak.no_such_actor", args=(), kwargs={}, options={}
+            )
             for data in (b"\x00\xff garbage", b'{"queue_name": "default"}', b'{"x": ' + b"1" * 100_000 + b"}"):
                 channel.basic_publish("", "default", data, pika.BasicProperties(delivery_mode=2))
                 self.garbage += 1
@@ -643,12 +685,16 @@ class Soak:
             return int(rows.get(name, {}).get(column) or 0)
 
         return [
-            {"name": name, "ready": count(name, "messages_ready"), "in_flight": count(name, "messages_unacknowledged"),
-             "delayed": count(f"{name}.DQ", "messages_ready") + count(f"{name}.DQ", "messages_unacknowledged"),
-             "dead": count(f"{name}.XQ", "messages_ready") + count(f"{name}.XQ", "messages_unacknowledged")}
+            {
+                "name": name,
+                "ready": count(name, "messages_ready"),
+                "in_flight": count(name, "messages_unacknowledged"),
+                "delayed": count(f"{name}.DQ", "messages_ready") + count(f"{name}.DQ", "messages_unacknowledged"),
+                "dead": count(f"{name}.XQ", "messages_ready") + count(f"{name}.XQ", "messages_unacknowledged"),
+            }
             for name in rows
             if not name.endswith((".DQ", ".XQ"))
-        ]  # fmt: skip
+        ]
 
     def _counts(self) -> tuple[int, int]:
         """Outbox rows pending, and messages ready, in flight or delayed."""
@@ -857,8 +903,12 @@ class Soak:
             entry: dict[str, Any] = {"order_id": order_id, "row": None}
             if row is not None:
                 event_id = str(row["id"])
-                entry["row"] = {"id": event_id, "published_at": str(row["published_at"]),
-                                "failed_at": str(row["failed_at"]), "attempts": row["attempts"]}  # fmt: skip
+                entry["row"] = {
+                    "id": event_id,
+                    "published_at": str(row["published_at"]),
+                    "failed_at": str(row["failed_at"]),
+                    "attempts": row["attempts"],
+                }
                 ids = {"fan_out": event_id} | {
                     name: fan_out_id(event_id, f"listener:shop.order_placed:{name}")
                     for name in ("send_confirmation", "record_sale", "audit")
@@ -880,11 +930,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--rate", type=float, default=20, help="orders per second")
-    parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis",
-                        help="where the queues live: rabbitmq starts a 3-node cluster of its own")  # fmt: skip
+    parser.add_argument(
+        "--broker",
+        choices=["redis", "rabbitmq"],
+        default="redis",
+        help="where the queues live: rabbitmq starts a 3-node cluster of its own",
+    )
     parser.add_argument("--keep", type=Path, help="keep the replicas' logs and the servers' files in this directory")
-    parser.add_argument("--deploys", action="store_true",
-                        help="a rolling deploy every minute, adding and retiring listeners")  # fmt: skip
+    parser.add_argument(
+        "--deploys", action="store_true", help="a rolling deploy every minute, adding and retiring listeners"
+    )
     args = parser.parse_args(argv)
     if args.keep:
         from devtools.services import PG_USER, postgres_can_reach
@@ -892,8 +947,11 @@ def main(argv: list[str]) -> int:
         args.keep.mkdir(parents=True, exist_ok=True)
         if not postgres_can_reach(args.keep):
             # Its PostgreSQL files would go to a directory of their own, removed at the end.
-            print(f"--keep {args.keep}: user {PG_USER}, who runs PostgreSQL for root, cannot reach it; "
-                  "keep under a directory it can, e.g. /tmp/soak", file=sys.stderr)  # fmt: skip
+            print(
+                f"--keep {args.keep}: user {PG_USER}, who runs PostgreSQL for root, cannot reach it; "
+                "keep under a directory it can, e.g. /tmp/soak",
+                file=sys.stderr,
+            )
             return 2
         result = Soak(args.minutes, args.rate, args.keep, args.broker, args.deploys).run()
     else:

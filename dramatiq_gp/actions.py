@@ -113,12 +113,19 @@ def backfill_listener(
             batch = conn.execute(page.order_by(rows.created_at, rows.id).limit(BACKFILL_BATCH)).all()
             if not batch:
                 break
-            broker.enqueue_many([
-                Message(queue_name=queue, actor_name=task_type, kwargs={}, options={},
+            broker.enqueue_many(
+                [
+                    Message(
+                        queue_name=queue,
+                        actor_name=task_type,
+                        kwargs={},
+                        options={},
                         args=({"id": str(row.id), "event": event, "data": row.payload},),
-                        message_id=fan_out_id(str(row.id), task_type))
-                for row in batch
-            ])  # fmt: skip
+                        message_id=fan_out_id(str(row.id), task_type),
+                    )
+                    for row in batch
+                ]
+            )
             sent += len(batch)
             after = (batch[-1].created_at, batch[-1].id)
     _done("outbox backfill", who, f"{sent} event(s) of {event} since {since.isoformat()} sent to {task_type}")

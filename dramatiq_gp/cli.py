@@ -322,8 +322,9 @@ def _sending_broker(settings: Settings, client: redis.Redis) -> Iterator[Any]:
         from .brokers.rabbitmq import RabbitmqBroker
 
         urls = settings.broker.urls()
-        broker: Any = RabbitmqBroker(url=urls if len(urls) > 1 else urls[0], client=client,
-                                     namespace=settings.queue.namespace, middleware=[])  # fmt: skip
+        broker: Any = RabbitmqBroker(
+            url=urls if len(urls) > 1 else urls[0], client=client, namespace=settings.queue.namespace, middleware=[]
+        )
     else:
         broker = RedisBroker(client=client, namespace=settings.queue.namespace, middleware=[])
     try:
@@ -385,8 +386,9 @@ def dlq_list(queue: str | None, offset: int, limit: int, as_json: bool) -> None:
         _dlq_list_one(client, namespace, name, offset, limit, as_json, pii, deadletters)
 
 
-def _dlq_list_one(client: redis.Redis, namespace: str, queue: str, offset: int, limit: int, as_json: bool,
-                  pii: bool, deadletters: Any) -> None:  # fmt: skip
+def _dlq_list_one(
+    client: redis.Redis, namespace: str, queue: str, offset: int, limit: int, as_json: bool, pii: bool, deadletters: Any
+) -> None:
     total = deadletters.count(client, namespace, queue)
     letters = deadletters.page(client, namespace, queue, offset=offset, limit=limit, pii=pii)
     if as_json:
@@ -395,10 +397,15 @@ def _dlq_list_one(client: redis.Redis, namespace: str, queue: str, offset: int, 
         return
     click.echo(f"queue {queue}: {total} dead letter(s)")
     for letter in letters:
-        dead_at = (datetime.fromtimestamp(letter.dead_at_ms / 1000, UTC).isoformat(timespec="seconds")
-                   if isinstance(letter.dead_at_ms, int) else letter.dead_at_ms)  # fmt: skip
-        click.echo(f"{letter.id}  {letter.task_type}  message {letter.message_id}  attempts={letter.attempts}  "
-                   f"dead since {dead_at}")  # fmt: skip
+        dead_at = (
+            datetime.fromtimestamp(letter.dead_at_ms / 1000, UTC).isoformat(timespec="seconds")
+            if isinstance(letter.dead_at_ms, int)
+            else letter.dead_at_ms
+        )
+        click.echo(
+            f"{letter.id}  {letter.task_type}  message {letter.message_id}  attempts={letter.attempts}  "
+            f"dead since {dead_at}"
+        )
         if letter.reason:
             click.echo(f"    {letter.reason}")
 
@@ -607,9 +614,14 @@ def _apply(make: Callable[[], Any]) -> None:
 
 
 _project = click.option(
-    "-C", "--project", "root", default=".", show_default=True, type=click.Path(file_okay=False, path_type=Path),
+    "-C",
+    "--project",
+    "root",
+    default=".",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
     help="the project's directory",
-)  # fmt: skip
+)
 
 
 @main.group()
@@ -760,8 +772,10 @@ def dashboard(host: str, port: int, read_only: bool) -> None:
         ) from None
     settings = _settings()
     if not loopback(host) and not settings.dashboard.credentials:
-        _fail(f"--host {host} is not loopback: set DASHBOARD_USER and DASHBOARD_PASSWORD, or DASHBOARD_TOKEN, "
-              "so that not everyone who can reach it can act on your queues")  # fmt: skip
+        _fail(
+            f"--host {host} is not loopback: set DASHBOARD_USER and DASHBOARD_PASSWORD, or DASHBOARD_TOKEN, "
+            "so that not everyone who can reach it can act on your queues"
+        )
     client = _redis(settings)
     hosts = settings.dashboard.hosts()
     if hosts is None and loopback(host):
@@ -772,8 +786,9 @@ def dashboard(host: str, port: int, read_only: bool) -> None:
     click.echo(f"dashboard{mode} on http://{host}:{port}/ reading {settings.queue.display()}")
     proxies = settings.dashboard.trusted_proxies
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: anyone on the machine could forge the audit lines.
-    uvicorn.run(app, host=host, port=port, log_level="warning", proxy_headers=bool(proxies),
-                forwarded_allow_ips=proxies or "")  # fmt: skip
+    uvicorn.run(
+        app, host=host, port=port, log_level="warning", proxy_headers=bool(proxies), forwarded_allow_ips=proxies or ""
+    )
 
 
 # -- status ------------------------------------------------------------------------
@@ -843,19 +858,22 @@ def status(as_json: bool) -> None:
         click.echo(f"outbox: {box['pending']} pending{oldest}, {box['set_aside']} set aside")
     for queue in report["queues"]:
         if queue.get("unknown"):  # RabbitMQ: its counts cannot be trusted now
-            click.echo(f"queue {queue['name']}: counts unknown ({queue['unknown']}), "
-                       f"{queue['in_flight']} in flight")  # fmt: skip
+            click.echo(f"queue {queue['name']}: counts unknown ({queue['unknown']}), {queue['in_flight']} in flight")
             continue
         if queue["ready"] is None:  # its name is not UTF-8: marked
             click.echo(f"queue {queue['name']}: not counted")
             continue
         if "consumers" in queue:
-            click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
-                       f"{queue['delayed']} delayed, {queue['dead']} dead, {queue['consumers']} consumers "
-                       "(RabbitMQ)")  # fmt: skip
+            click.echo(
+                f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
+                f"{queue['delayed']} delayed, {queue['dead']} dead, {queue['consumers']} consumers "
+                "(RabbitMQ)"
+            )
             continue
-        click.echo(f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
-                   f"{queue['delayed']} delayed, {queue['dead']} dead")  # fmt: skip
+        click.echo(
+            f"queue {queue['name']}: {queue['ready']} ready, {queue['in_flight']} in flight, "
+            f"{queue['delayed']} delayed, {queue['dead']} dead"
+        )
     for task_type, count in report["skipped_task_types"].items():
         click.echo(f"skipped (no handler, kept as dead letters): {task_type}: {count}")
 

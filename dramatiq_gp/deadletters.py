@@ -58,17 +58,26 @@ class DeadLetter:
     kwargs: Any
 
     def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "queue": self.queue, "dead_at_ms": self.dead_at_ms, "message_id": self.message_id,
-                "task_type": self.task_type, "attempts": self.attempts, "reason": self.reason,
-                "args": self.args, "kwargs": self.kwargs}  # fmt: skip
+        return {
+            "id": self.id,
+            "queue": self.queue,
+            "dead_at_ms": self.dead_at_ms,
+            "message_id": self.message_id,
+            "task_type": self.task_type,
+            "attempts": self.attempts,
+            "reason": self.reason,
+            "args": self.args,
+            "kwargs": self.kwargs,
+        }
 
 
 def count(client: redis.Redis, namespace: str, queue: str) -> int:
     return int(client.zcard(keys.dead(namespace, queue)))
 
 
-def page(client: redis.Redis, namespace: str, queue: str, *, offset: int = 0, limit: int = 50,
-         pii: bool = False) -> list[DeadLetter]:  # fmt: skip
+def page(
+    client: redis.Redis, namespace: str, queue: str, *, offset: int = 0, limit: int = 50, pii: bool = False
+) -> list[DeadLetter]:
     """Dead letters of ``queue``, the most recent first, from ``offset``: two Redis commands."""
     scored: Any = client.zrevrange(keys.dead(namespace, queue), offset, offset + limit - 1, withscores=True)
     if not scored:
@@ -129,12 +138,17 @@ def resolve(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str])
 def requeue(client: redis.Redis, namespace: str, queue: str, ids: Sequence[str] | None = None) -> int:
     """Move the dead letters ``ids`` (all of the queue's, when None) back to ``queue``; how many moved."""
     script = client.register_script(_SCRIPTS["requeue"])
-    touched = [keys.dead(namespace, queue), keys.dead_messages(namespace, queue), keys.queue(namespace, queue),
-               keys.messages(namespace, queue)]  # fmt: skip
+    touched = [
+        keys.dead(namespace, queue),
+        keys.dead_messages(namespace, queue),
+        keys.queue(namespace, queue),
+        keys.messages(namespace, queue),
+    ]
     if ids is not None:
         found = resolve(client, namespace, queue, ids)
-        return sum(int(script(keys=touched, args=found[i : i + REQUEUE_BATCH]))
-                   for i in range(0, len(found), REQUEUE_BATCH))  # fmt: skip
+        return sum(
+            int(script(keys=touched, args=found[i : i + REQUEUE_BATCH])) for i in range(0, len(found), REQUEUE_BATCH)
+        )
     moved = 0
     while True:
         batch: Any = client.zrange(touched[0], 0, REQUEUE_BATCH - 1)  # the oldest first: they keep their order
@@ -157,8 +171,9 @@ def _letter(queue: str, id: str, dead_at_ms: int | str, raw: bytes | str, pii: b
         message = json.loads(raw)
         options = message["options"] if isinstance(message.get("options"), dict) else {}
     except (ValueError, AttributeError, RecursionError):
-        return DeadLetter(id, queue, dead_at_ms, None, None, 0, "cannot decode it (set aside as it came)",
-                          FILTERED, FILTERED)  # fmt: skip
+        return DeadLetter(
+            id, queue, dead_at_ms, None, None, 0, "cannot decode it (set aside as it came)", FILTERED, FILTERED
+        )
     reason = options.get(DEAD_LETTER_REASON)
     if reason is None and isinstance(options.get("traceback"), str):
         reason = _exception_line(options["traceback"])
@@ -166,9 +181,16 @@ def _letter(queue: str, id: str, dead_at_ms: int | str, raw: bytes | str, pii: b
     # A message whose retries is no whole number was set aside as malformed: it still lists, marked.
     attempts = retries if type(retries) is int else unreadable(f"retries={reprlib.repr(retries)}")
     return DeadLetter(
-        id, queue, dead_at_ms, _str(message.get("message_id")), _str(message.get("actor_name")), attempts, reason,
-        message.get("args") if pii else FILTERED, message.get("kwargs") if pii else FILTERED,
-    )  # fmt: skip
+        id,
+        queue,
+        dead_at_ms,
+        _str(message.get("message_id")),
+        _str(message.get("actor_name")),
+        attempts,
+        reason,
+        message.get("args") if pii else FILTERED,
+        message.get("kwargs") if pii else FILTERED,
+    )
 
 
 def _exception_line(traceback: str) -> str:

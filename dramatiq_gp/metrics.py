@@ -69,11 +69,15 @@ def instruments() -> Instruments:
                         "dramatiq_gp.messages", unit="{message}", description="Messages processed, by outcome"
                     ),
                     process_duration=m.create_histogram(
-                        "messaging.process.duration", unit="s", description="Time spent processing a message",
+                        "messaging.process.duration",
+                        unit="s",
+                        description="Time spent processing a message",
                         explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
                     ),
                     queue_wait=m.create_histogram(
-                        "dramatiq_gp.queue.wait", unit="s", description="Time from enqueue (or due time) to start",
+                        "dramatiq_gp.queue.wait",
+                        unit="s",
+                        description="Time from enqueue (or due time) to start",
                         explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
                     ),
                     sent=m.create_counter(
@@ -88,7 +92,7 @@ def instruments() -> Instruments:
                     scheduler_ticks=m.create_counter(
                         "dramatiq_gp.scheduler.ticks", unit="{tick}", description="Schedule ticks, by outcome"
                     ),
-                )  # fmt: skip
+                )
     return _instruments
 
 

@@ -127,12 +127,18 @@ def _samples(data: MetricsData) -> Iterable[dict[str, Any]]:
                 name = prometheus_name(metric.name, metric.unit or "", kind)
                 for point in points.data_points:
                     sample: dict[str, Any] = {
-                        "name": name, "kind": kind, "help": metric.description or "",
+                        "name": name,
+                        "kind": kind,
+                        "help": metric.description or "",
                         "labels": {_NAME.sub("_", k): str(v) for k, v in (point.attributes or {}).items()},
-                    }  # fmt: skip
+                    }
                     if isinstance(point, HistogramDataPoint):
-                        sample.update(bounds=list(point.explicit_bounds), counts=list(point.bucket_counts),
-                                      sum=point.sum, count=point.count)  # fmt: skip
+                        sample.update(
+                            bounds=list(point.explicit_bounds),
+                            counts=list(point.bucket_counts),
+                            sum=point.sum,
+                            count=point.count,
+                        )
                     else:
                         sample["value"] = point.value
                     yield sample

@@ -188,9 +188,11 @@ class Registry:
         listeners = self.listeners()
         logging.getLogger("dramatiq_gp.kit").info(
             "start-up: registered %d listener(s) for %d event type(s), %d schedule entr%s",
-            len(listeners), len({listener.event.name for listener in listeners}),
-            schedule_entries, "y" if schedule_entries == 1 else "ies",
-        )  # fmt: skip
+            len(listeners),
+            len({listener.event.name for listener in listeners}),
+            schedule_entries,
+            "y" if schedule_entries == 1 else "ies",
+        )
 
     def listeners(self, event_cls: type[Any] | None = None) -> tuple[Listener, ...]:
         """The listeners of ``event_cls``, or all of them."""
@@ -318,8 +320,9 @@ class Registry:
             def fan_out(envelope: dict[str, Any]) -> None:
                 send_all(broker, self.messages_for(envelope))
 
-            Actor(fan_out, broker=broker, actor_name=fan_out_actor, queue_name=EVENT_QUEUE, priority=0,
-                  options=idempotent)  # fmt: skip
+            Actor(
+                fan_out, broker=broker, actor_name=fan_out_actor, queue_name=EVENT_QUEUE, priority=0, options=idempotent
+            )
 
 
 def idempotent_option(broker: Broker) -> dict[str, Any]:

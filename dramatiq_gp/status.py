@@ -103,9 +103,12 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
     ttl_ms = client.pttl(scheduler.lease)
     leader = None
     if info and ttl_ms > 0:
-        leader = {"host": _field(info, "host", str), "pid": _field(info, "pid", int),
-                  "epoch": _field(info, "epoch", int),
-                  "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat()}  # fmt: skip
+        leader = {
+            "host": _field(info, "host", str),
+            "pid": _field(info, "pid", int),
+            "epoch": _field(info, "epoch", int),
+            "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat(),
+        }
     last = {text(k): moment(text(v), "last_fired") for k, v in client.hgetall(scheduler.last_fired).items()}
     published = {text(k): v for k, v in client.hgetall(scheduler.upcoming).items()}
     paused = {text(k): _paused(v) for k, v in client.hgetall(scheduler.paused).items()}
@@ -121,17 +124,26 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
             where, zone = ZoneInfo("UTC"), f"{zone} (unknown here: times in UTC)"
         fires = _next_fires(trigger, where, published.get(name), now, NEXT_FIRES)
         # Every time of an entry in its own zone; the last fired is None until it first fires.
-        entries.append({
-            "name": name, "trigger": trigger, "zone": zone,
-            "next_fire": fires[0] if fires else None,
-            "next_fires": fires,
-            "last_fired": datetime.fromtimestamp(last_ms / 1000, where).isoformat()
-                          if isinstance(last_ms, int) else last_ms,
-            "paused": paused.get(name),
-        })  # fmt: skip
+        entries.append(
+            {
+                "name": name,
+                "trigger": trigger,
+                "zone": zone,
+                "next_fire": fires[0] if fires else None,
+                "next_fires": fires,
+                "last_fired": datetime.fromtimestamp(last_ms / 1000, where).isoformat()
+                if isinstance(last_ms, int)
+                else last_ms,
+                "paused": paused.get(name),
+            }
+        )
     catchup = client.get(scheduler.catchup)
-    return {"namespace": scheduler.namespace, "leader": leader, "entries": entries,
-            "catchup": _catchup(catchup) if catchup is not None else None}  # fmt: skip
+    return {
+        "namespace": scheduler.namespace,
+        "leader": leader,
+        "entries": entries,
+        "catchup": _catchup(catchup) if catchup is not None else None,
+    }
 
 
 def _paused(raw: bytes | str) -> dict[str, Any] | str:
@@ -148,8 +160,11 @@ def _catchup(raw: bytes | str) -> dict[str, Any] | str:
     recorded = json_object(raw)
     if isinstance(recorded, str):
         return recorded
-    catchup = {"policy": _field(recorded, "policy", _string), "grace_s": _field(recorded, "grace_s", _seconds),
-               "max": _field(recorded, "max", operator.index)}  # fmt: skip
+    catchup = {
+        "policy": _field(recorded, "policy", _string),
+        "grace_s": _field(recorded, "grace_s", _seconds),
+        "max": _field(recorded, "max", operator.index),
+    }
     if "misfire_threshold_s" in recorded:  # workers before SCHEDULER_MISFIRE_THRESHOLD did not write it
         catchup["misfire_threshold_s"] = _field(recorded, "misfire_threshold_s", _seconds)
     return catchup
@@ -207,8 +222,9 @@ def queue_counts(client: redis.Redis, namespace: str, names: list[str]) -> list[
             queues.append({"name": garbled[name], "ready": None, "in_flight": None, "delayed": None, "dead": None})
             continue
         ready, stored, delayed, dead = (next(counts) for _ in range(4))
-        queues.append({"name": name, "ready": ready, "in_flight": max(stored - ready, 0), "delayed": delayed,
-                       "dead": dead})  # fmt: skip
+        queues.append(
+            {"name": name, "ready": ready, "in_flight": max(stored - ready, 0), "delayed": delayed, "dead": dead}
+        )
     return queues
 
 
@@ -278,13 +294,23 @@ def rabbitmq_queue_status(urls: list[str], client: redis.Redis, namespace: str) 
             if counts[0] is None:
                 continue
             ready, delayed, dead = (c.message_count if c is not None else 0 for c in counts)
-            row = {"name": name, "ready": ready, "in_flight": held.get(name, 0),
-                   "delayed": delayed + held.get(dq_name(name), 0), "dead": dead,
-                   "consumers": counts[0].consumer_count, "unknown": None}  # fmt: skip
+            row = {
+                "name": name,
+                "ready": ready,
+                "in_flight": held.get(name, 0),
+                "delayed": delayed + held.get(dq_name(name), 0),
+                "dead": dead,
+                "consumers": counts[0].consumer_count,
+                "unknown": None,
+            }
             if name in since:
                 at = datetime.fromtimestamp(since[name] / 1000, UTC).isoformat(timespec="seconds")
-                row.update(ready=None, delayed=None, dead=None,
-                           unknown=f"a send to it went unconfirmed at {at}: its quorum is likely lost")  # fmt: skip
+                row.update(
+                    ready=None,
+                    delayed=None,
+                    dead=None,
+                    unknown=f"a send to it went unconfirmed at {at}: its quorum is likely lost",
+                )
             queues.append(row)
         return queues
     finally:

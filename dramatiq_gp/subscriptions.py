@@ -66,10 +66,15 @@ RETIRED_KEPT = timedelta(days=7)
 def spec(listener: Listener) -> str:
     """What a worker declares of ``listener``: enough to send it messages, and to show it."""
     return json.dumps(
-        {"event": listener.event.name, "name": listener.name, "queue": listener.queue,
-         "priority": listener.priority, "options": _jsonable(listener.options)},
+        {
+            "event": listener.event.name,
+            "name": listener.name,
+            "queue": listener.queue,
+            "priority": listener.priority,
+            "options": _jsonable(listener.options),
+        },
         sort_keys=True,
-    )  # fmt: skip
+    )
 
 
 class Subscriptions:
@@ -82,8 +87,12 @@ class Subscriptions:
 
     def __init__(self, client: redis.Redis, namespace: str) -> None:
         self.client = client
-        self.keys = (keys.listeners(namespace), keys.listeners_seen(namespace), keys.listeners_version(namespace),
-                     keys.listeners_retired(namespace))  # fmt: skip
+        self.keys = (
+            keys.listeners(namespace),
+            keys.listeners_seen(namespace),
+            keys.listeners_version(namespace),
+            keys.listeners_retired(namespace),
+        )
         self._declare = client.register_script(_SCRIPTS["declare"])
         self._lock = threading.Lock()
         self._version: int | None = None

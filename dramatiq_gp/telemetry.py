@@ -165,10 +165,16 @@ def json_formatter() -> logging.Formatter:
     """One JSON object per line: time, level, logger, message, pid, thread and every ``extra`` field."""
     return _CappedJsonFormatter(
         "%(asctime)s %(levelname)s %(name)s %(message)s %(process)d %(threadName)s",
-        rename_fields={"asctime": "time", "levelname": "level", "name": "logger", "process": "pid",
-                       "threadName": "thread", "exc_info": "error.stack"},
+        rename_fields={
+            "asctime": "time",
+            "levelname": "level",
+            "name": "logger",
+            "process": "pid",
+            "threadName": "thread",
+            "exc_info": "error.stack",
+        },
         json_ensure_ascii=False,
-    )  # fmt: skip
+    )
 
 
 def configure_logging(settings: LogSettings, *, send_default_pii: bool = False) -> None:
@@ -325,9 +331,10 @@ class Telemetry:
         self._endpoint: Any = None
         logger.info(
             "start-up: logging ready (level %s, %s); tracing %s, metrics %s, Sentry %s",
-            logging.getLevelName(logging.getLogger().level), settings.log.format,
+            logging.getLevelName(logging.getLogger().level),
+            settings.log.format,
             *("on" if on else "off" for on in (self.tracing, self.metrics, self.sentry)),
-        )  # fmt: skip
+        )
 
     def start(self) -> None:
         """Install this process's exporters, meter and Sentry client; once per process."""
@@ -377,8 +384,9 @@ class Telemetry:
             import sentry_sdk
 
             steps.append(("Sentry events", lambda: sentry_sdk.flush(timeout=FLUSH_TIMEOUT_MS / 1000)))
-        threads = [threading.Thread(target=_logged(name, step), name=f"flush {name}", daemon=True)
-                   for name, step in steps]  # fmt: skip
+        threads = [
+            threading.Thread(target=_logged(name, step), name=f"flush {name}", daemon=True) for name, step in steps
+        ]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + FLUSH_TIMEOUT_MS / 1000
@@ -388,8 +396,9 @@ class Telemetry:
         if late:
             logger.warning(
                 "shutdown: telemetry flush gave up after %d ms; %s may be lost (exporter unreachable?)",
-                FLUSH_TIMEOUT_MS, ", ".join(late),
-            )  # fmt: skip
+                FLUSH_TIMEOUT_MS,
+                ", ".join(late),
+            )
         for handler in logging.getLogger().handlers:
             # A closed or vanished stream: nothing can be written there any more.
             with contextlib.suppress(ValueError, OSError):

@@ -104,15 +104,22 @@ def dead(kit: gp.Kit, queue_name: str = "default") -> int:
 def stored_dead_letter(id: str, args: str = '["c1"]', **options: Any) -> str:
     """The message of dead letter ``id`` as Dramatiq's Redis broker stores it; ``args`` as JSON text (it may be
     deeper than ``json.dumps`` goes)."""
-    options = {"redis_message_id": id, "retries": 1,
-               "traceback": 'Traceback (most recent call last):\n  File "x.py", line 1, in charge\n'
-                            "RuntimeError: the card was declined\n", **options}  # fmt: skip
-    return (f'{{"queue_name": "default", "actor_name": "charge", "args": {args}, "kwargs": {{}}, '
-            f'"options": {json.dumps(options)}, "message_id": "m-{id}", "message_timestamp": 0}}')  # fmt: skip
+    options = {
+        "redis_message_id": id,
+        "retries": 1,
+        "traceback": 'Traceback (most recent call last):\n  File "x.py", line 1, in charge\n'
+        "RuntimeError: the card was declined\n",
+        **options,
+    }
+    return (
+        f'{{"queue_name": "default", "actor_name": "charge", "args": {args}, "kwargs": {{}}, '
+        f'"options": {json.dumps(options)}, "message_id": "m-{id}", "message_timestamp": 0}}'
+    )
 
 
-def bury(client: Any, namespace: str, queue: str, id: str | bytes, stored: str | bytes,
-         score: float = 1_700_000_000_000) -> None:  # fmt: skip
+def bury(
+    client: Any, namespace: str, queue: str, id: str | bytes, stored: str | bytes, score: float = 1_700_000_000_000
+) -> None:
     """A dead letter ``id`` of ``queue`` stored as ``stored``, dead since ``score``, written straight into Redis."""
     client.zadd(keys.dead(namespace, queue), {id: score})
     client.hset(keys.dead_messages(namespace, queue), id, stored)
@@ -121,17 +128,33 @@ def bury(client: Any, namespace: str, queue: str, id: str | bytes, stored: str |
 #: One bad dead letter per way each once broke its whole page: its Redis id, its stored message, its score (when it
 #: died), what shows for it.
 BAD_DEAD_LETTERS = {
-    "too-deep": ("deep", stored_dead_letter("deep", "[" * 10_000 + "]" * 10_000), 1_700_000_000_000,
-                 "cannot decode it"),
-    "retries-not-a-number": ("abc", stored_dead_letter("abc", retries="abc"), 1_700_000_000_000,
-                             "(unreadable: retries='abc')"),
-    "empty-traceback": ("blank", stored_dead_letter("blank", traceback=""), 1_700_000_000_000,
-                        "(unreadable: empty traceback)"),
-    "slash-in-id": ("a/b ?#%41", stored_dead_letter("a/b ?#%41"), 1_700_000_000_000,
-                    "RuntimeError: the card was declined"),
+    "too-deep": (
+        "deep",
+        stored_dead_letter("deep", "[" * 10_000 + "]" * 10_000),
+        1_700_000_000_000,
+        "cannot decode it",
+    ),
+    "retries-not-a-number": (
+        "abc",
+        stored_dead_letter("abc", retries="abc"),
+        1_700_000_000_000,
+        "(unreadable: retries='abc')",
+    ),
+    "empty-traceback": (
+        "blank",
+        stored_dead_letter("blank", traceback=""),
+        1_700_000_000_000,
+        "(unreadable: empty traceback)",
+    ),
+    "slash-in-id": (
+        "a/b ?#%41",
+        stored_dead_letter("a/b ?#%41"),
+        1_700_000_000_000,
+        "RuntimeError: the card was declined",
+    ),
     "score-inf": ("inf", stored_dead_letter("inf"), float("inf"), "(unreadable: score=inf)"),
     "score-minus-inf": ("neg-inf", stored_dead_letter("neg-inf"), float("-inf"), "(unreadable: score=-inf)"),
-}  # fmt: skip
+}
 
 
 def publish_schedule(client: Any, namespace: str) -> keys.SchedulerKeys:
@@ -142,8 +165,9 @@ def publish_schedule(client: Any, namespace: str) -> keys.SchedulerKeys:
     client.hset(scheduler.entries, mapping={"good": "0 3 * * *|UTC", "odd": "every full moon|UTC"})
     client.hset(scheduler.leader, mapping={"host": "lead-host", "pid": 4242, "epoch": 7})
     client.set(scheduler.lease, "7/token", px=60_000)
-    client.set(scheduler.catchup, json.dumps({"policy": "latest", "grace_s": 3600.0, "max": 5,
-                                              "misfire_threshold_s": 60.0}))  # fmt: skip
+    client.set(
+        scheduler.catchup, json.dumps({"policy": "latest", "grace_s": 3600.0, "max": 5, "misfire_threshold_s": 60.0})
+    )
     client.hset(scheduler.last_fired, "good", 1_700_000_000_000)
     client.hset(scheduler.upcoming, "odd", json.dumps(["2999-01-01T00:00:00+00:00"]))
     return scheduler
@@ -158,14 +182,13 @@ BAD_SCHEDULER = {
     "upcoming-not-json": ("upcoming", "odd", "[not json", "(unreadable: upcoming='[not json')"),
     "upcoming-not-times": ("upcoming", "odd", "[5]", "(unreadable: upcoming='[5]')"),
     "catchup-not-json": ("catchup", None, "{not json", "(unreadable: not JSON)"),
-    "catchup-fields": ("catchup", None, '{"policy": "all", "grace_s": "abc", "max": 5}',
-                       "(unreadable: grace_s='abc')"),
+    "catchup-fields": ("catchup", None, '{"policy": "all", "grace_s": "abc", "max": 5}', "(unreadable: grace_s='abc')"),
     "last-fired-not-a-number": ("last_fired", "good", "abc", "(unreadable: last_fired='abc')"),
     "last-fired-out-of-range": ("last_fired", "good", "9" * 20, f"(unreadable: last_fired='{'9' * 20}')"),
     "leader-no-pid": ("leader", "pid", None, "(unreadable: no pid)"),
     "leader-pid-not-a-number": ("leader", "pid", "abc", "(unreadable: pid='abc')"),
     "leader-host-not-utf8": ("leader", "host", b"lead-h\xffst", "lead-h\\xffst"),  # escaped, as a worker's id is
-}  # fmt: skip
+}
 
 
 def spoil_schedule(client: Any, scheduler: keys.SchedulerKeys, case: str) -> str:

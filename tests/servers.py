@@ -55,8 +55,21 @@ class OwnRedis:
         directory.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
-        command = [_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-                   "--appendonly", "yes", "--appendfsync", "always", "--save", ""]  # fmt: skip
+        command = [
+            _redis_server(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+        ]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         _until_up(client.ping, redis.ConnectionError)
@@ -222,9 +235,12 @@ class OwnRabbitmq:
         with open(self.directory / "console.log", "ab") as console:
             self.process = subprocess.Popen(
                 _as_rabbitmq([str(_rabbitmq_program("rabbitmq-server"))], self._env()),
-                cwd="/", stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
+                cwd="/",
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, for stop() to kill -9 whatever is left
-            )  # fmt: skip
+            )
 
     def await_startup(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

@@ -255,8 +255,9 @@ def test_dispatch_async_writes_in_the_callers_transaction_commit_and_rollback(st
 
 
 @pytest.mark.usefixtures("broker")
-def test_an_event_dispatched_async_reaches_an_async_listener_through_the_relay(make_kit, start_worker, engine,
-                                                                               database_url):  # fmt: skip
+def test_an_event_dispatched_async_reaches_an_async_listener_through_the_relay(
+    make_kit, start_worker, engine, database_url
+):
     got: list[int] = []
 
     async def handle(event: OrderPlaced) -> None:

@@ -65,14 +65,23 @@ def test_schedule_next_finds_an_entry_a_worker_published(make_kit, clean_env, na
         ({}, ["outbox", "failed", "--limit", "x"], "Invalid value for '--limit': 'x' is not a valid integer."),
         ({}, ["statu"], "No such command 'statu'."),
         ({}, ["migrate", "status"], "no database configured: set DB_URL"),
-        ({"DB_URL": "postgresql://app@127.0.0.1:1/app"}, ["migrate", "status"],
-         "database error at postgresql+psycopg://app@127.0.0.1:1/app: connection failed"),
-        ({"DB_URL": "postgresql://app@db/app", "DB_HOST": "db"}, ["migrate", "status"],
-         "invalid configuration: set either DB_URL or DB_HOST, not both"),
-        ({"VALKEY_TLS_CA_FILE": "/no/such/ca.pem"}, ["status"],
-         "invalid configuration: VALKEY_TLS_CA_FILE='/no/such/ca.pem': no such file"),
+        (
+            {"DB_URL": "postgresql://app@127.0.0.1:1/app"},
+            ["migrate", "status"],
+            "database error at postgresql+psycopg://app@127.0.0.1:1/app: connection failed",
+        ),
+        (
+            {"DB_URL": "postgresql://app@db/app", "DB_HOST": "db"},
+            ["migrate", "status"],
+            "invalid configuration: set either DB_URL or DB_HOST, not both",
+        ),
+        (
+            {"VALKEY_TLS_CA_FILE": "/no/such/ca.pem"},
+            ["status"],
+            "invalid configuration: VALKEY_TLS_CA_FILE='/no/such/ca.pem': no such file",
+        ),
     ],
-)  # fmt: skip
+)
 def test_errors_are_one_line_and_non_zero(clean_env, env, args, message):
     for name, value in env.items():
         clean_env.setenv(name, value)
@@ -93,9 +102,19 @@ def test_an_unreachable_redis_is_named_without_its_password(clean_env):
 
 
 def test_every_command_explains_itself_with_an_example():
-    for args in (["migrate", "up"], ["migrate", "status"], ["outbox", "failed"], ["outbox", "retry"],
-                 ["outbox", "replay"], ["schedule", "next"], ["status"], ["dlq", "list"], ["dlq", "show"],
-                 ["dlq", "requeue"], ["dlq", "purge"]):  # fmt: skip
+    for args in (
+        ["migrate", "up"],
+        ["migrate", "status"],
+        ["outbox", "failed"],
+        ["outbox", "retry"],
+        ["outbox", "replay"],
+        ["schedule", "next"],
+        ["status"],
+        ["dlq", "list"],
+        ["dlq", "show"],
+        ["dlq", "requeue"],
+        ["dlq", "purge"],
+    ):
         result = run(*args, "--help")
         assert result.exit_code == 0 and "Example" in result.output, args
 
@@ -162,9 +181,13 @@ def _set_aside(kit: gp.Kit, engine: sa.Engine, *order_ids: int) -> list[str]:
 def test_status_prints_one_line_per_scheduler_entry_outbox_and_queue(make_kit, engine, database_url, namespace, rdb):
     kit = make_kit(
         lambda registry, schedule: schedule.job("nightly", "0 3 * * *", lambda: None, tz="Europe/Budapest"),
-        env={"SCHEDULER_LEASE_TTL": "3s", "DB_URL": database_url, "OUTBOX_MAX_ATTEMPTS": "1",
-             "VALKEY_NAMESPACE": namespace},
-    )  # fmt: skip
+        env={
+            "SCHEDULER_LEASE_TTL": "3s",
+            "DB_URL": database_url,
+            "OUTBOX_MAX_ATTEMPTS": "1",
+            "VALKEY_NAMESPACE": namespace,
+        },
+    )
     _set_aside(kit, engine, 1)
     with engine.begin() as conn:
         for n in range(2):
@@ -236,8 +259,9 @@ def test_dlq_list_without_a_queue_lists_every_queues_dead_letters(make_kit, rdb,
     make_kit(env={"VALKEY_NAMESPACE": namespace})
     assert run("dlq", "list").stdout == "no dead letters in any queue\n"
     for queue in ("alpha", "beta"):  # a dead letter as Dramatiq's Redis broker keeps one
-        message = Message(queue_name=queue, actor_name="send", args=(), kwargs={},
-                          options={"redis_message_id": f"{queue}-1"})  # fmt: skip
+        message = Message(
+            queue_name=queue, actor_name="send", args=(), kwargs={}, options={"redis_message_id": f"{queue}-1"}
+        )
         rdb.zadd(f"{namespace}:{queue}.XQ", {f"{queue}-1": 1_700_000_000_000})
         rdb.hset(f"{namespace}:{queue}.XQ.msgs", f"{queue}-1", message.encode())
         rdb.sadd(f"{namespace}:gp:queues", queue)
@@ -299,8 +323,7 @@ def test_status_marks_a_queue_name_that_is_not_utf8_and_counts_the_others(clean_
     rdb.hset(garbled, "x", "{}")
 
     def command(*args: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], capture_output=True, text=True, timeout=60)
         assert (done.returncode, done.stderr) == (0, ""), done.stderr
         return done
 
@@ -314,8 +337,12 @@ def test_status_marks_a_queue_name_that_is_not_utf8_and_counts_the_others(clean_
     assert "queue (unreadable: name not UTF-8: b'gr\\xfcn'): not counted" in lines
     queues = {q["name"]: q for q in report["queues"]}
     assert queues["(unreadable: name not UTF-8: b'caf\\xe9')"] == {
-        "name": "(unreadable: name not UTF-8: b'caf\\xe9')", "ready": None, "in_flight": None, "delayed": None,
-        "dead": None}  # fmt: skip
+        "name": "(unreadable: name not UTF-8: b'caf\\xe9')",
+        "ready": None,
+        "in_flight": None,
+        "delayed": None,
+        "dead": None,
+    }
     assert queues["mail"]["ready"] == 1
 
 

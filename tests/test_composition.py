@@ -31,8 +31,9 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 def test_results_pipelines_and_groups_work_as_in_dramatiq(client, make_kit, start_worker, namespace):
     # Results under the test's namespace, so they are deleted with it; a barrier expires on its own.
     results = RedisBackend(client=client, namespace=f"{namespace}:results", use_namespace_prefix_keys=True)
-    kit = make_kit(middleware=[Results(backend=results), GroupCallbacks(RateLimiterBackend(client=client),
-                                                                        barrier_ttl=60_000)])  # fmt: skip
+    kit = make_kit(
+        middleware=[Results(backend=results), GroupCallbacks(RateLimiterBackend(client=client), barrier_ttl=60_000)]
+    )
     completed = threading.Event()
 
     @dramatiq.actor(broker=kit.broker, actor_name="add", store_results=True)

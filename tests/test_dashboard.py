@@ -255,15 +255,32 @@ def test_what_a_message_carries_is_shown_as_text_never_as_markup(clean_env, name
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     clean_env.setenv("SENTRY_SEND_DEFAULT_PII", "true")
     script = "<script>alert(1)</script>"
-    message = {"queue_name": "default", "actor_name": script, "args": [script], "kwargs": {},
-               "options": {"redis_message_id": "x1", "traceback": f"Traceback ...\nValueError: {script}\n"},
-               "message_id": "m1", "message_timestamp": 0}  # fmt: skip
+    message = {
+        "queue_name": "default",
+        "actor_name": script,
+        "args": [script],
+        "kwargs": {},
+        "options": {"redis_message_id": "x1", "traceback": f"Traceback ...\nValueError: {script}\n"},
+        "message_id": "m1",
+        "message_timestamp": 0,
+    }
     rdb.sadd(keys.declared_queues(namespace), "default")
     rdb.zadd(keys.dead(namespace, "default"), {"x1": dramatiq.common.current_millis()})
     rdb.hset(keys.dead_messages(namespace, "default"), "x1", json.dumps(message))
-    rdb.lpush(keys.failures(namespace), json.dumps({"at_ms": 0, "queue": "default", "task_type": script,
-                                                    "message_id": "m1", "attempt": 1, "will_retry": False,
-                                                    "error": f"ValueError: {script}"}))  # fmt: skip
+    rdb.lpush(
+        keys.failures(namespace),
+        json.dumps(
+            {
+                "at_ms": 0,
+                "queue": "default",
+                "task_type": script,
+                "message_id": "m1",
+                "attempt": 1,
+                "will_retry": False,
+                "error": f"ValueError: {script}",
+            }
+        ),
+    )
     with serving(create_app()) as base:
         browser = Browser(base)
         for path in ("/dead-letters/default", "/dead-letters/default/x1", "/failures"):
@@ -276,10 +293,17 @@ TOKEN = "t0ken-of-twenty-chars"
 
 @pytest.mark.parametrize(
     "credentials",
-    [("", None, None), (None, None, ""), (None, None, "   "), ("alice", "", None), ("alice", " ", None),
-     (None, None, "short"), ("alice", None, None)],
+    [
+        ("", None, None),
+        (None, None, ""),
+        (None, None, "   "),
+        ("alice", "", None),
+        ("alice", " ", None),
+        (None, None, "short"),
+        ("alice", None, None),
+    ],
     ids=["empty-user", "empty-token", "blank-token", "empty-password", "blank-password", "short-token", "no-password"],
-)  # fmt: skip
+)
 def test_credentials_fail_closed_on_an_empty_blank_short_or_half_secret(credentials):
     # An empty token once read as "no token": on --host 0.0.0.0 every request, actions included, passed.
     with pytest.raises(ValueError, match="the dashboard's"):
@@ -348,8 +372,9 @@ def test_on_rabbitmq_the_overview_reads_the_queues_from_it_and_the_workers_and_t
         start_worker(kit)
         ran.set()
         reader = gp.dashboard.reader.Reader(gp.Settings.from_env(), kit.broker.client)
-        wait_for(lambda: reader.throughput(dramatiq.common.current_millis())["per_queue"].get("default", {}).get("done")
-                 == 7)  # fmt: skip
+        wait_for(
+            lambda: reader.throughput(dramatiq.common.current_millis())["per_queue"].get("default", {}).get("done") == 7
+        )
         page = browser.open("/")
     assert f'<td class="n">{os.getpid()}</td>' in page.body  # this process, from its heartbeat
     assert "default:2" in page.body
@@ -421,8 +446,11 @@ def test_the_dashboard_command_refuses_to_start_in_one_line(args, env, message, 
     run_env = {**os.environ, **env}
     done = subprocess.run(
         [sys.executable, "-m", "dramatiq_gp", "dashboard", "--port", "0", *args],
-        env=run_env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1, done
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert message in done.stderr
@@ -502,8 +530,12 @@ def test_the_command_answers_only_its_own_address_and_localhost_and_believes_no_
         port = probe.getsockname()[1]
     env = {**os.environ, "VALKEY_NAMESPACE": namespace, "REDIS_URL": redis_url}
     with open(tmp_path / "log", "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "dramatiq_gp", "dashboard", "--port", str(port)], env=env,
-                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq_gp", "dashboard", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
 
@@ -530,8 +562,12 @@ def test_every_response_forbids_framing_caching_and_sniffing(clean_env, namespac
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     with serving(create_app(credentials=Credentials("alice", "s3cret"))) as base:
         basic = {"Authorization": "Basic " + base64.b64encode(b"alice:s3cret").decode()}
-        for path, headers, status in [("/", basic, 200), ("/static/dashboard.css", basic, 200), ("/", {}, 401),
-                                      ("/dead-letters/a%0Ab", basic, 400)]:  # fmt: skip
+        for path, headers, status in [
+            ("/", basic, 200),
+            ("/static/dashboard.css", basic, 200),
+            ("/", {}, 401),
+            ("/dead-letters/a%0Ab", basic, 400),
+        ]:
             reply = Browser(base, headers).open(path)
             assert reply.status == status, path
             assert reply.headers["X-Frame-Options"] == "DENY"
@@ -636,8 +672,11 @@ def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of
         page = browser.open("/dead-letters/default")
         assert page.status == 200, page.body
         assert "m-good" in page.body and shown in html.unescape(page.body)
-        (link,) = [html.unescape(href) for href in re.findall(r'<td><a href="([^"]+)">', page.body)
-                   if not href.endswith("/good")]  # fmt: skip
+        (link,) = [
+            html.unescape(href)
+            for href in re.findall(r'<td><a href="([^"]+)">', page.body)
+            if not href.endswith("/good")
+        ]
         one = browser.open(urllib.parse.urlsplit(link).path)
         assert one.status == 200, one.body
         assert shown in html.unescape(one.body) and f"<code>{html.escape(id)}</code>" in one.body
@@ -683,17 +722,26 @@ def test_one_bad_scheduler_record_is_marked_and_the_rest_of_the_scheduler_page_s
 BAD_FAILURES = {
     "not-json": (b"{not json", "(unreadable: not JSON)"),
     "not-an-object": (b"[1, 2]", "(unreadable: not a JSON object)"),
-    "time-not-a-number": (json.dumps({"at_ms": "soon", "queue": "mail", "error": "KeyError: 'x'"}),
-                          "(unreadable: at_ms='soon')"),
-}  # fmt: skip
+    "time-not-a-number": (
+        json.dumps({"at_ms": "soon", "queue": "mail", "error": "KeyError: 'x'"}),
+        "(unreadable: at_ms='soon')",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", BAD_FAILURES)
 def test_one_bad_failure_record_is_marked_and_the_others_listed(case, clean_env, namespace, rdb):
     record, shown = BAD_FAILURES[case]
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
-    good = {"at_ms": dramatiq.common.current_millis(), "queue": "default", "task_type": "charge",
-            "message_id": "m-good", "attempt": 1, "will_retry": True, "error": "RuntimeError: declined"}  # fmt: skip
+    good = {
+        "at_ms": dramatiq.common.current_millis(),
+        "queue": "default",
+        "task_type": "charge",
+        "message_id": "m-good",
+        "attempt": 1,
+        "will_retry": True,
+        "error": "RuntimeError: declined",
+    }
     rdb.lpush(keys.failures(namespace), json.dumps(good), record)
     with serving(create_app()) as base:
         page = Browser(base).open("/failures")
@@ -705,9 +753,16 @@ def test_a_throughput_field_of_another_kind_or_count_is_passed_over_and_the_rest
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     now = dramatiq.common.current_millis()
     rdb.sadd(keys.declared_queues(namespace), "default")
-    rdb.hset(keys.throughput(namespace, now // 60_000), mapping={
-        "default:done": 30, "default:dead": 3, "default:skipped": 4, "default:retried": "abc", "nokind": 5,
-    })  # fmt: skip
+    rdb.hset(
+        keys.throughput(namespace, now // 60_000),
+        mapping={
+            "default:done": 30,
+            "default:dead": 3,
+            "default:skipped": 4,
+            "default:retried": "abc",
+            "nokind": 5,
+        },
+    )
     with serving(create_app()) as base:
         page = Browser(base).open("/")
     assert page.status == 200, page.body
@@ -720,12 +775,19 @@ def test_a_throughput_field_of_another_kind_or_count_is_passed_over_and_the_rest
 BAD_WORKERS = {
     "not-json": ("w-bad", b"{not json", ["(unreadable: not JSON)"]),
     "not-an-object": ("w-bad", b"[1, 2]", ["(unreadable: not a JSON object)"]),
-    "wrong-types": ("w-bad", json.dumps({"host": 7, "pid": "abc", "started_ms": "soon", "queues": 5,
-                                         "weights": [1], "strict": "yes"}),
-                    ["(unreadable: host=7)", "(unreadable: pid='abc')", "(unreadable: started_ms='soon')",
-                     "(unreadable: queues=5)", "(unreadable: weights=[1])"]),
+    "wrong-types": (
+        "w-bad",
+        json.dumps({"host": 7, "pid": "abc", "started_ms": "soon", "queues": 5, "weights": [1], "strict": "yes"}),
+        [
+            "(unreadable: host=7)",
+            "(unreadable: pid='abc')",
+            "(unreadable: started_ms='soon')",
+            "(unreadable: queues=5)",
+            "(unreadable: weights=[1])",
+        ],
+    ),
     "id-not-utf8": (b"w-\xff", json.dumps({"host": "odd", "pid": 9, "queues": ["default"]}), ["odd"]),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", BAD_WORKERS)

@@ -61,10 +61,12 @@ class Shop:
             event_id = place_order(session, order_id, f"customer{order_id}@example.com", 1999)
             if set_aside:
                 session.execute(
-                    sa.text("UPDATE outbox_events SET failed_at = now(), attempts = 10, "
-                            "last_error = 'ConnectionError: broker unreachable' WHERE id = :id"),
+                    sa.text(
+                        "UPDATE outbox_events SET failed_at = now(), attempts = 10, "
+                        "last_error = 'ConnectionError: broker unreachable' WHERE id = :id"
+                    ),
                     {"id": event_id},
-                )  # fmt: skip
+                )
         return event_id
 
 
@@ -114,13 +116,18 @@ def shop(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
     with own_database(service_env["DB_URL"]) as db_url:
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "VALKEY_", "DB_", "DASHBOARD_"))},
-            "REDIS_URL": service_env["REDIS_URL"], "DB_URL": db_url, "VALKEY_NAMESPACE": namespace,
-            "SHOP_REPORT_CRON": "@every 2s", "WORKER_MAX_RETRIES": "0", "WORKER_QUEUES": "default:3,mail:1,reports:1",
-        }  # fmt: skip
+            "REDIS_URL": service_env["REDIS_URL"],
+            "DB_URL": db_url,
+            "VALKEY_NAMESPACE": namespace,
+            "SHOP_REPORT_CRON": "@every 2s",
+            "WORKER_MAX_RETRIES": "0",
+            "WORKER_QUEUES": "default:3,mail:1,reports:1",
+        }
         env.pop("BROKER_URL", None)
         subprocess.run([sys.executable, "-m", "examples.shop.migrate"], cwd=ROOT, env=env, check=True, timeout=60)
-        worker = _start([sys.executable, "-m", "dramatiq", "examples.shop.worker", "-p", "1", "-t", "2"], env,
-                        tmp / "worker.log")  # fmt: skip
+        worker = _start(
+            [sys.executable, "-m", "dramatiq", "examples.shop.worker", "-p", "1", "-t", "2"], env, tmp / "worker.log"
+        )
         engine = sa.create_engine(db_url)
         client = redis.Redis.from_url(service_env["REDIS_URL"], decode_responses=True)
         shop = Shop(env, engine, client, namespace, "", tmp)
@@ -258,8 +265,12 @@ def test_a_read_only_dashboard_shows_no_action_and_refuses_them(shop, page):
 def test_off_loopback_it_needs_credentials_and_logs_who_acted(shop, browser):
     refused = subprocess.run(
         [sys.executable, "-m", "dramatiq_gp", "dashboard", "--host", "0.0.0.0", "--port", str(free_port())],
-        cwd=ROOT, env=shop.env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=shop.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 1 and "is not loopback: set DASHBOARD_USER" in refused.stderr
 
     credentials = {"DASHBOARD_USER": "alice", "DASHBOARD_PASSWORD": "s3cret"}

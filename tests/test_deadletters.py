@@ -100,8 +100,9 @@ def test_a_dead_letter_is_shown_and_requeued_by_the_message_id_its_producer_got_
     """Held for an unknown task type, it died as a copy under a new Redis id: its message id finds it."""
     kit = make_kit(env={"WORKER_UNKNOWN_TASK_GRACE": "300ms"})
     dramatiq.actor(lambda: None, broker=kit.broker, actor_name="known")
-    sent = kit.broker.enqueue(dramatiq.Message(queue_name="default", actor_name="gone", args=(1,), kwargs={},
-                                               options={}))  # fmt: skip
+    sent = kit.broker.enqueue(
+        dramatiq.Message(queue_name="default", actor_name="gone", args=(1,), kwargs={}, options={})
+    )
     start_worker(kit)
     wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
     _bury(kit.broker.client, namespace, "default", 3)  # others, for the lookup to pass over
@@ -125,8 +126,13 @@ def _bury(client: redis.Redis, namespace: str, queue: str, count: int) -> list[s
     ids = [f"dead-{n:05d}-{uuid.uuid4().hex[:6]}" for n in range(count)]
     with client.pipeline(transaction=False) as pipe:
         for n, id in enumerate(ids):
-            message = dramatiq.Message(queue_name=queue, actor_name="charge", args=(n,), kwargs={},
-                                       options={"redis_message_id": id, "retries": 3})  # fmt: skip
+            message = dramatiq.Message(
+                queue_name=queue,
+                actor_name="charge",
+                args=(n,),
+                kwargs={},
+                options={"redis_message_id": id, "retries": 3},
+            )
             pipe.zadd(keys.dead(namespace, queue), {id: 1_700_000_000_000 + n})
             pipe.hset(keys.dead_messages(namespace, queue), id, message.encode())
         pipe.execute()

@@ -43,8 +43,14 @@ def replica(tmp_path: Path, namespace: str, database_url: str, engine: sa.Engine
     started: list[Replica] = []
 
     def start(listeners: str, queues: str, **env: str) -> Replica:
-        settings = {"VALKEY_NAMESPACE": namespace, "DB_URL": database_url, "GP_TEST_LISTENERS": listeners,
-                    "WORKER_QUEUES": queues, "OUTBOX_POLL_INTERVAL_MAX": "100ms", **env}  # fmt: skip
+        settings = {
+            "VALKEY_NAMESPACE": namespace,
+            "DB_URL": database_url,
+            "GP_TEST_LISTENERS": listeners,
+            "WORKER_QUEUES": queues,
+            "OUTBOX_POLL_INTERVAL_MAX": "100ms",
+            **env,
+        }
         log, consumed = tmp_path / f"replica-{len(started)}.log", [q for q in queues.split(",") if q]
         started.append(Replica("tests.apps.deploy_app", settings, log, args=["--queues", *consumed]))
         wait_for(started[-1].started, timeout=30)
@@ -134,8 +140,9 @@ def test_a_backfill_sends_a_new_listener_the_events_committed_before_it_was_live
     def listening(*names: str) -> gp.RegisterFunc:
         def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
             for name in names:
-                registry.listen(Ordered, lambda event, name=name: got[name].append(event.order_id), name=name,
-                                queue=name)  # fmt: skip
+                registry.listen(
+                    Ordered, lambda event, name=name: got[name].append(event.order_id), name=name, queue=name
+                )
 
         return register
 

@@ -233,12 +233,18 @@ def test_the_cli_pages_operator_commands_run_against_real_servers_as_shown(tmp_p
     # Two dead letters, as a failed message leaves them; ID stands for one `dlq list` shows.
     client = kit.broker.client
     for n in (1, 2):
-        dead = dramatiq.Message(queue_name="default", actor_name="send", args=(n,), kwargs={},
-                                options={"redis_message_id": f"dead-{n}", "retries": 20})  # fmt: skip
+        dead = dramatiq.Message(
+            queue_name="default",
+            actor_name="send",
+            args=(n,),
+            kwargs={},
+            options={"redis_message_id": f"dead-{n}", "retries": 20},
+        )
         client.zadd(keys.dead(kit.broker.namespace, "default"), {f"dead-{n}": 1_700_000_000_000 + n})
         client.hset(keys.dead_messages(kit.broker.namespace, "default"), f"dead-{n}", dead.encode())
-    done, _ = _run_block([line.replace("ID [ID ...]", "dead-1").replace("ID", "dead-1") for line in dlq], tmp_path,
-                         shell_env)  # fmt: skip
+    done, _ = _run_block(
+        [line.replace("ID [ID ...]", "dead-1").replace("ID", "dead-1") for line in dlq], tmp_path, shell_env
+    )
     _succeeded(done)
     listed, shown, requeued, purged = done
     assert listed.stdout.splitlines()[0] == "queue default: 2 dead letter(s)"

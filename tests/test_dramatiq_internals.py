@@ -90,8 +90,17 @@ def _start(broker: RedisBroker, threads: int = 1) -> Worker:
 
 def _dispatch_args(broker: RedisBroker, command: str, queue_name: str, *rest: Any, maintain: int = 0) -> list[Any]:
     """``dispatch.lua``'s arguments in the order the kit's broker passes them."""
-    return [command, current_millis(), queue_name, broker.broker_id, broker.heartbeat_timeout,
-            broker.dead_message_ttl, maintain, broker._max_unpack_size(), *rest]  # fmt: skip
+    return [
+        command,
+        current_millis(),
+        queue_name,
+        broker.broker_id,
+        broker.heartbeat_timeout,
+        broker.dead_message_ttl,
+        maintain,
+        broker._max_unpack_size(),
+        *rest,
+    ]
 
 
 class Signals(Middleware):
@@ -534,8 +543,9 @@ def test_a_consumer_threads_connection_errors_go_to_its_logger_and_task_log_says
     monkeypatch.setattr(dramatiq.worker, "CONSUMER_RESTART_DELAY_SECS", 0.05)
     monkeypatch.setattr(task_log, "OUTAGE_QUIET_S", 1.0)
     broker = connect("own", cls=_RecordsConsume, url=own_redis.url)
-    thread = ConsumerThread(broker=broker, queue_name=Q, prefetch=10, work_queue=queue.PriorityQueue(),
-                            worker_timeout=50)  # fmt: skip
+    thread = ConsumerThread(
+        broker=broker, queue_name=Q, prefetch=10, work_queue=queue.PriorityQueue(), worker_timeout=50
+    )
     assert thread.logger.name == f"dramatiq.worker.ConsumerThread({Q})"
     TaskLog().after_consumer_thread_boot(broker, thread)
     caplog.set_level(logging.DEBUG, logger=thread.logger.name)
@@ -690,8 +700,11 @@ def test_worker_thread_logs_the_lines_the_kit_filters_and_rewrites(connect, name
         talker.logger.setLevel(logging.NOTSET)
 
     def logged(line: str, actor_name: str) -> list[tuple[str, Any]]:
-        return [(name, args) for name, msg, args in dramatiq_log.seen
-                if msg == line and isinstance(args[0], MessageProxy) and args[0].actor_name == actor_name]  # fmt: skip
+        return [
+            (name, args)
+            for name, msg, args in dramatiq_log.seen
+            if msg == line and isinstance(args[0], MessageProxy) and args[0].actor_name == actor_name
+        ]
 
     expected_lines = {
         "Failed to process message %s with unhandled exception.": "fails",
@@ -814,10 +827,26 @@ dramatiq.set_broker(
 
 def _dramatiq_command(tmp_path: Path, namespace: str, redis_url: str, mode: str) -> subprocess.Popen[bytes]:
     (tmp_path / "probe_app.py").write_text(PROBE_APP)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PROBE_MODE": mode, "PROBE_TRACE": str(tmp_path / "trace"),
-           "PROBE_NAMESPACE": namespace, "REDIS_URL": redis_url}  # fmt: skip
-    command = [sys.executable, "-m", "dramatiq", "probe_app", "--processes", "1", "--threads", "1",
-               "--worker-shutdown-timeout", "1234"]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path),
+        "PROBE_MODE": mode,
+        "PROBE_TRACE": str(tmp_path / "trace"),
+        "PROBE_NAMESPACE": namespace,
+        "REDIS_URL": redis_url,
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "dramatiq",
+        "probe_app",
+        "--processes",
+        "1",
+        "--threads",
+        "1",
+        "--worker-shutdown-timeout",
+        "1234",
+    ]
     with open(tmp_path / "log", "wb") as log:
         # A session of its own, so a failed test can end the worker processes too, not only the parent.
         return subprocess.Popen(

@@ -57,8 +57,9 @@ def test_a_generated_project_installs_in_a_fresh_venv_and_passes_its_own_tests(p
     for target in (str(ROOT), f"{root}[dev]"):
         done = subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", target], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
-    done = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
 
@@ -67,8 +68,12 @@ def test_the_generated_worker_runs_the_listener_and_the_job(project, clean_env, 
     root, name = project
     effects = root / "effects.txt"
     # The handler bodies are the user's: make them leave a trace.
-    stubs = [("listeners/send_receipt.py", "receipt"), ("jobs/heartbeat.py", "heartbeat"),
-             ("listeners/notify_crm.py", "crm"), ("jobs/async_heartbeat.py", "async_heartbeat")]  # fmt: skip
+    stubs = [
+        ("listeners/send_receipt.py", "receipt"),
+        ("jobs/heartbeat.py", "heartbeat"),
+        ("listeners/notify_crm.py", "crm"),
+        ("jobs/async_heartbeat.py", "async_heartbeat"),
+    ]
     for stub, line in stubs:
         path = root / name / "modules" / "billing" / stub
         text = path.read_text()
@@ -76,12 +81,24 @@ def test_the_generated_worker_runs_the_listener_and_the_job(project, clean_env, 
         path.write_text(
             text.replace(body_marker, f'"""\n        open({str(effects)!r}, "a").write("{line}\\n")\n\n    return', 1)
         )
-    env = {**os.environ, "PYTHONPATH": str(root), "REDIS_URL": redis_url, "DB_URL": database_url,
-           "VALKEY_NAMESPACE": namespace, "SCHEDULER_LEASE_TTL": "2s"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "REDIS_URL": redis_url,
+        "DB_URL": database_url,
+        "VALKEY_NAMESPACE": namespace,
+        "SCHEDULER_LEASE_TTL": "2s",
+    }
     subprocess.run([sys.executable, "-m", f"{name}.migrate"], cwd=root, env=env, check=True, capture_output=True)
     log = (root / "worker.log").open("w")
-    worker = subprocess.Popen([sys.executable, "-m", "dramatiq", f"{name}.worker", "-p", "1", "-t", "2"], cwd=root,
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq", f"{name}.worker", "-p", "1", "-t", "2"],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         dispatch = (
             "import sqlalchemy as sa, dramatiq_gp as gp\n"
@@ -107,9 +124,13 @@ def test_the_generated_worker_runs_the_listener_and_the_job(project, clean_env, 
 def test_every_generator_run_again_changes_nothing(project):
     root, _name = project
     before = tree(root)
-    for step in (["new", "module", "billing"], ["add", "event", "billing", "InvoicePaid"],
-                 ["add", "listener", "billing", "InvoicePaid", "send_receipt", "--queue", "mail"],
-                 ["add", "job", "billing", "heartbeat", "--cron", "@every 1s"], ["add", "worker"]):  # fmt: skip
+    for step in (
+        ["new", "module", "billing"],
+        ["add", "event", "billing", "InvoicePaid"],
+        ["add", "listener", "billing", "InvoicePaid", "send_receipt", "--queue", "mail"],
+        ["add", "job", "billing", "heartbeat", "--cron", "@every 1s"],
+        ["add", "worker"],
+    ):
         code, output = gp(*step, "-C", str(root))
         assert code == 0, output
     assert tree(root) == before

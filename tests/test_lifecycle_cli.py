@@ -234,8 +234,9 @@ def test_the_schedule_runner_and_the_relay_stop_beside_the_drain_within_the_same
     assert worker.wait() == 0
     # Both stopped on threads of their own while the task drained, and before the closers.
     for producer in ("schedule runner", "outbox relay"):
-        _in_order(worker.log, f"shutdown: stopping {producer}", f"shutdown: {producer} stopped",
-                  "shutdown: running closers")  # fmt: skip
+        _in_order(
+            worker.log, f"shutdown: stopping {producer}", f"shutdown: {producer} stopped", "shutdown: running closers"
+        )
     _in_order(worker.log, "leadership released", "1 task(s) still running at the drain timeout went back")
 
 
@@ -248,8 +249,13 @@ def test_sigterm_drains_a_running_async_listener_too(run_dramatiq, make_kit):
     worker.process.send_signal(signal.SIGTERM)
     assert worker.wait() == 0
     assert worker.trace == ["listener started", "listener finished", "closer second", "closer first"]
-    _in_order(worker.log, "shutdown: draining in-flight tasks", "task done task_type=listener:test.app.slow:slow",
-              "shutdown: in-flight tasks drained", "shutdown: running closers")  # fmt: skip
+    _in_order(
+        worker.log,
+        "shutdown: draining in-flight tasks",
+        "task done task_type=listener:test.app.slow:slow",
+        "shutdown: in-flight tasks drained",
+        "shutdown: running closers",
+    )
 
 
 def test_an_async_listener_outliving_the_shutdown_timeout_is_cancelled_put_back_and_runs_again_once(

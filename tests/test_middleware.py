@@ -85,15 +85,17 @@ def test_the_middleware_that_need_nothing_of_the_kit_work_on_dramatiqs_own_broke
     mails: list[int] = []
     registry.listen(SignedUp, lambda event: mails.append(event.user_id), name="welcome")
     closed: list[str] = []
-    broker = plain_broker([
-        gp.Lifecycle().with_closer("mailer", lambda: closed.append("mailer")),
-        gp.Tracing(provider),
-        gp.QueueWeights({"default": 1}),
-        gp.Listeners(registry),
-        gp.TaskLog(),
-        gp.PanicRecovery(),
-        DramatiqRetries(max_retries=1, min_backoff=10, max_backoff=10),
-    ])  # fmt: skip
+    broker = plain_broker(
+        [
+            gp.Lifecycle().with_closer("mailer", lambda: closed.append("mailer")),
+            gp.Tracing(provider),
+            gp.QueueWeights({"default": 1}),
+            gp.Listeners(registry),
+            gp.TaskLog(),
+            gp.PanicRecovery(),
+            DramatiqRetries(max_retries=1, min_backoff=10, max_backoff=10),
+        ]
+    )
     panics: list[int] = []
 
     @dramatiq.actor(broker=broker, actor_name="exits_once")
@@ -169,9 +171,15 @@ def test_the_refusal_is_one_line_and_exit_code_2_under_the_dramatiq_command(tmp_
 def test_a_hand_built_broker_with_gp_retries_retries_and_loses_none_when_redis_goes_away(tmp_path, run_worker):
     server = OwnRedis(tmp_path / "redis")
     server.start()
-    broker = gp.RedisBroker(url=server.url, middleware=[
-        gp.Lifecycle(), gp.TaskLog(), gp.PanicRecovery(), gp.Retries(max_retries=3, min_backoff=100, max_backoff=100)
-    ])  # fmt: skip
+    broker = gp.RedisBroker(
+        url=server.url,
+        middleware=[
+            gp.Lifecycle(),
+            gp.TaskLog(),
+            gp.PanicRecovery(),
+            gp.Retries(max_retries=3, min_backoff=100, max_backoff=100),
+        ],
+    )
     try:
         attempts: list[int] = []
 
@@ -200,10 +208,22 @@ def test_default_middleware_is_the_kits_list_in_the_kits_order(clean_env, make_k
     names = [type(m).__name__ for m in gp.default_middleware(kit.settings)]
     assert names == [type(m).__name__ for m in kit.broker.middleware]
     assert names == [
-        "GcFreeze", "SchedulerLease", "AsyncIO", "Lifecycle", "IdempotentExecution", "Listeners", "TaskLog",
-        "RecentFailures", "PanicRecovery", "AgeLimit", "TimeLimit", "ShutdownNotifications", "Callbacks", "Pipelines",
+        "GcFreeze",
+        "SchedulerLease",
+        "AsyncIO",
+        "Lifecycle",
+        "IdempotentExecution",
+        "Listeners",
+        "TaskLog",
+        "RecentFailures",
+        "PanicRecovery",
+        "AgeLimit",
+        "TimeLimit",
+        "ShutdownNotifications",
+        "Callbacks",
+        "Pipelines",
         "Retries",
-    ]  # fmt: skip
+    ]
 
 
 def test_a_module_level_job_fires_in_a_real_worker_built_either_way(tmp_path, redis_url, namespace, rdb):
@@ -234,8 +254,13 @@ def test_a_worker_freezes_what_it_holds_at_boot_out_of_garbage_collection_unless
 ):
     for setting in ("true", "false"):
         prefix = f"{namespace}-{setting}"
-        env = {**os.environ, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": prefix, "GP_TEST_STYLE": "kit",
-               "WORKER_GC_FREEZE": setting}  # fmt: skip
+        env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "VALKEY_NAMESPACE": prefix,
+            "GP_TEST_STYLE": "kit",
+            "WORKER_GC_FREEZE": setting,
+        }
         env.pop("DB_URL", None)
         log = tmp_path / f"{setting}.log"
         command = [sys.executable, "-m", "dramatiq", "tests.apps.module_job_app", "-p", "1", "-t", "2"]
@@ -263,8 +288,9 @@ class Noted:
     n: int
 
 
-def test_a_hand_built_broker_says_what_was_registered_once_as_the_kit_does(clean_env, redis_url, namespace,
-                                                                           run_worker, caplog):  # fmt: skip
+def test_a_hand_built_broker_says_what_was_registered_once_as_the_kit_does(
+    clean_env, redis_url, namespace, run_worker, caplog
+):
     registry = gp.Registry()
     registry.listen(Noted, lambda event: None, name="first")
     registry.listen(Noted, lambda event: None, name="second")

@@ -223,10 +223,12 @@ def test_a_row_that_can_never_be_sent_is_set_aside_at_once_alone_and_the_batch_g
     with engine.begin() as conn:
         good = [gp.dispatch(conn, Paid(n)) for n in range(2)]
         conn.execute(
-            sa.text("INSERT INTO outbox_events (id, event, payload, trace_context) "
-                    "VALUES (:id, 'test.outbox.paid', CAST(:payload AS jsonb), CAST(:trace AS jsonb))"),
+            sa.text(
+                "INSERT INTO outbox_events (id, event, payload, trace_context) "
+                "VALUES (:id, 'test.outbox.paid', CAST(:payload AS jsonb), CAST(:trace AS jsonb))"
+            ),
             {"id": bad, "payload": payload, "trace": trace_context},
-        )  # fmt: skip
+        )
         good += [gp.dispatch(conn, Paid(n)) for n in range(2, 4)]
     with caplog.at_level(logging.ERROR):
         assert kit.relay.relay_once() == 5

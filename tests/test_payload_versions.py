@@ -50,8 +50,13 @@ SET_ASIDE = {
 def worker(tmp_path: Path, namespace: str, database_url: str, engine: sa.Engine, clean_env) -> Iterator[Replica]:
     with engine.begin() as conn:
         conn.execute(sa.text("CREATE TABLE IF NOT EXISTS compat_runs (namespace text, event text, fields jsonb)"))
-    env = {"VALKEY_NAMESPACE": namespace, "DB_URL": database_url, "OUTBOX_MAX_ATTEMPTS": "1",
-           "WORKER_UNKNOWN_TASK_GRACE": "1s", "OUTBOX_POLL_INTERVAL_MAX": "100ms"}  # fmt: skip
+    env = {
+        "VALKEY_NAMESPACE": namespace,
+        "DB_URL": database_url,
+        "OUTBOX_MAX_ATTEMPTS": "1",
+        "WORKER_UNKNOWN_TASK_GRACE": "1s",
+        "OUTBOX_POLL_INTERVAL_MAX": "100ms",
+    }
     replica = Replica("tests.apps.compat_app", env, tmp_path / "worker.log")
     wait_for(replica.started, timeout=30)
     yield replica
@@ -71,11 +76,18 @@ def test_an_event_another_version_wrote_is_read_or_set_aside_naming_the_field(wo
             [{"id": uuid.uuid4(), "event": name, "payload": payload} for name, payload in WRITTEN.items()],
         )
     kit = make_kit()
-    kit.broker.enqueue_many([
-        Message(queue_name="default", actor_name=f"event:{name}", kwargs={}, options={},
-                args=({"id": str(uuid.uuid4()), "event": name, "data": payload},))
-        for name, payload in WRITTEN.items()
-    ])  # fmt: skip
+    kit.broker.enqueue_many(
+        [
+            Message(
+                queue_name="default",
+                actor_name=f"event:{name}",
+                kwargs={},
+                options={},
+                args=({"id": str(uuid.uuid4()), "event": name, "data": payload},),
+            )
+            for name, payload in WRITTEN.items()
+        ]
+    )
 
     # Read: once through the outbox, once fanned out by the other version.
     expected = sorted([(name, fields) for name, fields in READ.items()] * 2)

@@ -21,13 +21,31 @@ def _dead_pid() -> int:
 
 def _snapshot(directory: Path, pid: int, done: int, leader: int, waits: list[int]) -> None:
     samples = [
-        {"name": "dramatiq_gp_messages_total", "kind": "counter", "help": "Messages processed, by outcome",
-         "labels": {"queue": "default", "outcome": "done"}, "value": done},
-        {"name": "dramatiq_gp_scheduler_leader", "kind": "gauge", "help": "",
-         "labels": {"namespace": "shop"}, "value": leader},
-        {"name": "dramatiq_gp_queue_wait_seconds", "kind": "histogram", "help": "",
-         "labels": {"queue": "default"}, "bounds": [0.1, 1.0], "counts": waits, "sum": 1.5, "count": sum(waits)},
-    ]  # fmt: skip
+        {
+            "name": "dramatiq_gp_messages_total",
+            "kind": "counter",
+            "help": "Messages processed, by outcome",
+            "labels": {"queue": "default", "outcome": "done"},
+            "value": done,
+        },
+        {
+            "name": "dramatiq_gp_scheduler_leader",
+            "kind": "gauge",
+            "help": "",
+            "labels": {"namespace": "shop"},
+            "value": leader,
+        },
+        {
+            "name": "dramatiq_gp_queue_wait_seconds",
+            "kind": "histogram",
+            "help": "",
+            "labels": {"queue": "default"},
+            "bounds": [0.1, 1.0],
+            "counts": waits,
+            "sum": 1.5,
+            "count": sum(waits),
+        },
+    ]
     (directory / f"{pid}.json").write_text(json.dumps({"pid": pid, "samples": samples}))
 
 

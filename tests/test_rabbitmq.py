@@ -279,9 +279,13 @@ def test_a_tick_claimed_by_a_leader_that_died_before_the_confirm_is_published_by
     # What claim.lua leaves when the leader dies before RabbitMQ confirmed the tick's message.
     tick = datetime(2026, 12, 2, 3, tzinfo=UTC)
     message = dramatiq.Message(
-        queue_name=queue_name, actor_name=f"job:{name}", args=({"entry": name, "scheduled_at": tick.isoformat()},),
-        kwargs={}, options={}, message_id=tick_message_id(name, tick),
-    )  # fmt: skip
+        queue_name=queue_name,
+        actor_name=f"job:{name}",
+        args=({"entry": name, "scheduled_at": tick.isoformat()},),
+        kwargs={},
+        options={},
+        message_id=tick_message_id(name, tick),
+    )
     unpublished = keys.SchedulerKeys(namespace).unpublished
     rdb.hset(unpublished, f"{name}:{int(tick.timestamp() * 1000)}", message.encode())
     worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
@@ -355,10 +359,21 @@ def test_an_undecodable_or_malformed_message_goes_to_the_dead_letter_queue_in_on
         ran.append(n)
 
     broker.declare_queue(queue_name, ensure=True)
-    garbage = [b"\xff not json", b'{"queue_name": 1}', json.dumps({
-        "queue_name": queue_name, "actor_name": f"{queue_name}.probe", "args": [], "kwargs": [],
-        "options": {}, "message_id": "m", "message_timestamp": 0,
-    }).encode()]  # fmt: skip
+    garbage = [
+        b"\xff not json",
+        b'{"queue_name": 1}',
+        json.dumps(
+            {
+                "queue_name": queue_name,
+                "actor_name": f"{queue_name}.probe",
+                "args": [],
+                "kwargs": [],
+                "options": {},
+                "message_id": "m",
+                "message_timestamp": 0,
+            }
+        ).encode(),
+    ]
     for body in garbage:
         broker.channel.basic_publish("", queue_name, body, pika.BasicProperties(delivery_mode=2))
     probe.send(1)
@@ -484,8 +499,15 @@ def test_status_reads_the_queue_depths_from_rabbitmq(make_kit, default_queues, c
     assert "queue default: 3 ready, 0 in flight, 0 delayed, 0 dead, 0 consumers (RabbitMQ)" in done.output.splitlines()
     report = json.loads(CliRunner().invoke(cli_main, ["status", "--json"]).output)
     (default,) = [q for q in report["queues"] if q["name"] == EVENT_QUEUE]
-    assert default == {"name": "default", "ready": 3, "in_flight": 0, "delayed": 0, "dead": 0, "consumers": 0,
-                       "unknown": None}  # fmt: skip
+    assert default == {
+        "name": "default",
+        "ready": 3,
+        "in_flight": 0,
+        "delayed": 0,
+        "dead": 0,
+        "consumers": 0,
+        "unknown": None,
+    }
 
     clean_env.setenv("BROKER_URL", "amqp://guest:guest@127.0.0.1:1/%2F")
     done = CliRunner().invoke(cli_main, ["status"])
@@ -635,15 +657,17 @@ def test_outside_the_worker_pika_prints_nothing_and_status_with_rabbitmq_down_on
         "    send.send()\n"
         "kit.broker.close()\n"
     )
-    sent = subprocess.run([sys.executable, "-c", producer], env={**env, "BROKER_URL": URL}, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    sent = subprocess.run(
+        [sys.executable, "-c", producer], env={**env, "BROKER_URL": URL}, capture_output=True, text=True, timeout=60
+    )
     assert sent.returncode == 0, sent.stderr
     assert "pika" not in sent.stderr and "Traceback" not in sent.stderr, sent.stderr
     assert "start-up: registered" in sent.stderr  # the kit's own INFO lines still show
 
     down = {**env, "BROKER_URL": "amqp://guest:guest@127.0.0.1:1/%2F"}
-    status = subprocess.run([sys.executable, "-m", "dramatiq_gp", "status"], env=down, capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+    status = subprocess.run(
+        [sys.executable, "-m", "dramatiq_gp", "status"], env=down, capture_output=True, text=True, timeout=60
+    )
     assert status.returncode == 1
     errors = [line for line in status.stderr.splitlines() if "[INFO]" not in line]
     assert len(errors) == 1 and errors[0].startswith("Error: RabbitMQ unreachable at amqp://guest:***@127.0.0.1:1/")

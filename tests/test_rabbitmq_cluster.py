@@ -224,8 +224,10 @@ def test_with_the_majority_down_every_send_fails_within_the_confirm_limit_and_al
     with pytest.raises(gp.ConfirmTimeout, match=unconfirmed):
         probe.send()
     assert time.monotonic() - started < limit + 1.5
-    batch = [dramatiq.Message(queue_name="probe", actor_name="gp_cluster_probe", args=(), kwargs={}, options={})
-             for _ in range(2)]  # fmt: skip
+    batch = [
+        dramatiq.Message(queue_name="probe", actor_name="gp_cluster_probe", args=(), kwargs={}, options={})
+        for _ in range(2)
+    ]
     started = time.monotonic()
     with pytest.raises(gp.ConfirmTimeout, match=unconfirmed):
         kit.broker.enqueue_many(batch)

@@ -78,8 +78,10 @@ async def _async_handler(a: int, b: int) -> None:
     [
         (lambda s: s.cron("0 25 * * *", SyncInventory()), "'test.schedule.sync_inventory': cron spec '0 25 * * *'"),
         (lambda s: s.cron("@daily", SyncInventory(), tz="Mars/Olympus"), "'Mars/Olympus' is not an IANA time zone"),
-        (lambda s: s.every(timedelta(minutes=1), SyncInventory()).every(timedelta(hours=1), SyncInventory()),
-         "'test.schedule.sync_inventory' is defined twice"),
+        (
+            lambda s: s.every(timedelta(minutes=1), SyncInventory()).every(timedelta(hours=1), SyncInventory()),
+            "'test.schedule.sync_inventory' is defined twice",
+        ),
         (lambda s: s.job("x", "@hourly", _bad_handler), "'x': the handler must take no argument, or one"),
         (lambda s: s.job("x", "@hourly", _async_handler), "'x': the handler must take no argument, or one"),
         (lambda s: s.job("x", "@hourly", "report"), "schedule entry 'x': handler 'report' is not callable"),
@@ -92,7 +94,7 @@ async def _async_handler(a: int, b: int) -> None:
         (lambda s: s.job("x", "@hourly", report, queue="no spaces"), "'no spaces' is not a queue name"),
         (lambda s: s.job("x", "@hourly", report, retry_when=lambda n, e: True), "options travel as JSON"),
     ],
-)  # fmt: skip
+)
 def test_bad_entries_are_refused_naming_the_entry(build, message):
     with pytest.raises(gp.ScheduleError) as raised:
         build(gp.Schedule())

@@ -202,8 +202,9 @@ def test_a_firing_that_finds_the_lease_gone_gives_up_leading_instead_of_retrying
     runner_kit, rdb, namespace, caplog
 ):
     # The default 15 s lease: the next renewal, which would notice, is up to 5 s away.
-    kit = runner_kit(lambda registry, schedule: schedule.job("j", "@every 1s", lambda: None),
-                     env={"SCHEDULER_LEASE_TTL": "15s"})  # fmt: skip
+    kit = runner_kit(
+        lambda registry, schedule: schedule.job("j", "@every 1s", lambda: None), env={"SCHEDULER_LEASE_TTL": "15s"}
+    )
     runner = kit.scheduler
     runner.start()
     wait_for(lambda: _queued(rdb, namespace), timeout=5)

@@ -242,9 +242,15 @@ def test_across_a_redis_restart_every_tick_runs_exactly_once(lease_ttl, tmp_path
     ledger = sa.create_engine(database_url)
     with ledger.begin() as conn:
         conn.execute(sa.text(TICK_RUNS))
-    env = {"REDIS_URL": server.url, "VALKEY_NAMESPACE": namespace, "GP_TEST_LEDGER": database_url,
-           "SCHEDULER_LEASE_TTL": lease_ttl, "SCHEDULER_CATCHUP": "all",
-           "WORKER_MIN_BACKOFF": "100ms", "WORKER_MAX_BACKOFF": "1s"}  # fmt: skip
+    env = {
+        "REDIS_URL": server.url,
+        "VALKEY_NAMESPACE": namespace,
+        "GP_TEST_LEDGER": database_url,
+        "SCHEDULER_LEASE_TTL": lease_ttl,
+        "SCHEDULER_CATCHUP": "all",
+        "WORKER_MIN_BACKOFF": "100ms",
+        "WORKER_MAX_BACKOFF": "1s",
+    }
     replicas = [Replica("tests.apps.ticks_app", env, tmp_path / f"replica-{i}.log") for i in range(2)]
     client = redis.Redis.from_url(server.url, decode_responses=True)
     try:

@@ -131,9 +131,14 @@ def test_valkey_urls_are_accepted(env):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("500ms", timedelta(milliseconds=500)), ("1h30m", timedelta(minutes=90)), ("45", timedelta(seconds=45)),
-     ("7d", timedelta(days=7)), ("1.5s", timedelta(seconds=1.5))],
-)  # fmt: skip
+    [
+        ("500ms", timedelta(milliseconds=500)),
+        ("1h30m", timedelta(minutes=90)),
+        ("45", timedelta(seconds=45)),
+        ("7d", timedelta(days=7)),
+        ("1.5s", timedelta(seconds=1.5)),
+    ],
+)
 def test_durations(text, expected):
     assert parse_duration(text) == expected
     assert parse_duration(format_duration(expected)) == expected
@@ -269,9 +274,9 @@ def test_a_wrong_db_password_is_refused_in_one_line_that_hides_it(clean_env, pas
 
 
 @pytest.mark.parametrize(
-    ("part", "value"), [("DB_HOST", "db"), ("DB_PORT", "5433"), ("DB_USER", "app"), ("DB_PASSWORD", "hunter2"),
-                        ("DB_NAME", "app")]
-)  # fmt: skip
+    ("part", "value"),
+    [("DB_HOST", "db"), ("DB_PORT", "5433"), ("DB_USER", "app"), ("DB_PASSWORD", "hunter2"), ("DB_NAME", "app")],
+)
 def test_db_url_beside_any_db_part_is_one_line_naming_both(env, part, value):
     env.setenv("DB_URL", "postgresql://app@db/app")
     env.setenv(part, value)
@@ -293,10 +298,12 @@ def test_a_db_part_without_db_host_is_one_line_not_silently_no_database(env, par
 
 @pytest.mark.parametrize(
     ("env_vars", "named"),
-    [({"VALKEY_TLS_INSECURE": "true"}, "VALKEY_TLS_INSECURE"),
-     ({"VALKEY_TLS_INSECURE": "true", "REDIS_URL": "redis://127.0.0.1:6379/0"}, "VALKEY_TLS_INSECURE")],
+    [
+        ({"VALKEY_TLS_INSECURE": "true"}, "VALKEY_TLS_INSECURE"),
+        ({"VALKEY_TLS_INSECURE": "true", "REDIS_URL": "redis://127.0.0.1:6379/0"}, "VALKEY_TLS_INSECURE"),
+    ],
     ids=["addr", "plain-url"],
-)  # fmt: skip
+)
 def test_tls_options_without_tls_are_one_line_not_silently_ignored(env, env_vars, named):
     for name, value in env_vars.items():
         env.setenv(name, value)
@@ -334,8 +341,9 @@ def test_scheduler_catchup_max_fires_only_the_latest_missed_ticks(make_kit, rdb,
     # The three latest misfires, and the tick less than the 1 s threshold late, which is on time.
     assert len(caught_up) == 4
     assert [b - a for a, b in itertools.pairwise(caught_up)] == [timedelta(seconds=1)] * 3
-    queued = sorted(datetime.fromisoformat(json.loads(m)["args"][0]["scheduled_at"])
-                    for m in rdb.hvals(f"{namespace}:default.msgs"))  # fmt: skip
+    queued = sorted(
+        datetime.fromisoformat(json.loads(m)["args"][0]["scheduled_at"]) for m in rdb.hvals(f"{namespace}:default.msgs")
+    )
     assert queued[0] == caught_up[0]  # nothing older than the three misfires was fired
     skipped = int((caught_up[0] - (last + timedelta(milliseconds=500))).total_seconds())
     assert skipped >= 7
@@ -385,14 +393,16 @@ def test_an_idle_relay_polls_first_after_outbox_poll_interval_min_then_backs_off
     [
         ("redis://bob:hunter2@cache/0", "redis://bob:***@cache/0"),
         ("redis://cache/0?password=hunter2", "redis://cache/0?password=***"),
-        ("postgresql://u@h/db?sslmode=require&password=hunter2&sslpassword=hunter2",
-         "postgresql://u@h/db?sslmode=require&password=***&sslpassword=***"),
+        (
+            "postgresql://u@h/db?sslmode=require&password=hunter2&sslpassword=hunter2",
+            "postgresql://u@h/db?sslmode=require&password=***&sslpassword=***",
+        ),
         ("amqp://h/%2F?heartbeat=30&auth_token=hunter2", "amqp://h/%2F?heartbeat=30&auth_token=***"),
         ("redis://cache/0?PASSWD=hunter2&api_key=hunter2&db=1", "redis://cache/0?PASSWD=***&api_key=***&db=1"),
         ("redis://[::1/0?password=hunter2", "***"),  # not a URL at all: none of it shows
     ],
     ids=["userinfo", "query-password", "libpq-query", "token", "mixed-case-and-key", "unparseable"],
-)  # fmt: skip
+)
 def test_redact_url_hides_the_password_in_the_address_and_in_the_query(url, shown):
     assert redact_url(url) == shown
 

@@ -124,8 +124,10 @@ def test_dramatiq_levels_an_expected_exception_at_info_and_a_rate_limit_miss_at_
     assert (line.expected, line.will_retry) == (True, False)
     assert "will_retry=False expected=True error=Expected: as planned" in line.getMessage()
     misses = [r for r in _records(caplog) if r.getMessage().startswith("task failed task_type=limited")]
-    assert [(r.levelno, r.will_retry, r.exc_info) for r in misses] == [(logging.DEBUG, True, None),
-                                                                        (logging.DEBUG, False, None)]  # fmt: skip
+    assert [(r.levelno, r.will_retry, r.exc_info) for r in misses] == [
+        (logging.DEBUG, True, None),
+        (logging.DEBUG, False, None),
+    ]
     # Nothing at ERROR, and Dramatiq's own lines for both (which print the message's arguments) are replaced.
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert not [r for r in caplog.records if r.getMessage().startswith(("Failed to process", "Rate limit exceeded"))]

@@ -45,9 +45,13 @@ class Worker:
         with open(self.log_file, "w") as log:
             # A session of its own, so a failed test kills the worker processes too, not only their parent.
             self.process = subprocess.Popen(
-                command, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                command,
+                cwd=ROOT,
+                env={**os.environ, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
 
     @property
     def log(self) -> str:
@@ -73,8 +77,12 @@ def collector() -> Iterator[Collector]:
 
 @pytest.fixture
 def worker_env(clean_env: pytest.MonkeyPatch, redis_url: str, namespace: str) -> dict[str, str]:
-    return {"REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace, "WORKER_MIN_BACKOFF": "10ms",
-            "WORKER_MAX_BACKOFF": "50ms"}  # fmt: skip
+    return {
+        "REDIS_URL": redis_url,
+        "VALKEY_NAMESPACE": namespace,
+        "WORKER_MIN_BACKOFF": "10ms",
+        "WORKER_MAX_BACKOFF": "50ms",
+    }
 
 
 @pytest.fixture
@@ -110,10 +118,15 @@ def test_an_outbox_dispatch_is_one_trace_through_the_relay_to_both_listeners_and
     run_worker, collector, engine, database_url
 ):
     worker = run_worker(
-        {"DB_URL": database_url, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
-         "OTEL_SERVICE_NAME": "gp-test-worker", "LOG_FORMAT": "json"},
+        {
+            "DB_URL": database_url,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_SERVICE_NAME": "gp-test-worker",
+            "LOG_FORMAT": "json",
+        },
         "--skip-logging",
-    )  # fmt: skip
+    )
     tracer = TracerProvider().get_tracer("test-web-app")
     with tracer.start_as_current_span("POST /orders") as request, engine.begin() as conn:
         gp.dispatch(conn, OrderPlaced(41))
@@ -173,9 +186,16 @@ def test_a_second_sigterm_still_flushes_what_finished(run_worker, collector, pro
 def test_sentry_gets_one_event_per_final_failure_none_for_a_recovered_retry_and_no_leaked_breadcrumbs(
     run_worker, collector, producer, rdb, namespace
 ):
-    worker = run_worker({"SENTRY_DSN": collector.dsn, "SENTRY_ENVIRONMENT": "test", "GP_TEST_CRON": "1",
-                         "SENTRY_TRACES_SAMPLE_RATE": "1.0", "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
-                         "OTEL_BSP_SCHEDULE_DELAY": "100"})  # fmt: skip
+    worker = run_worker(
+        {
+            "SENTRY_DSN": collector.dsn,
+            "SENTRY_ENVIRONMENT": "test",
+            "GP_TEST_CRON": "1",
+            "SENTRY_TRACES_SAMPLE_RATE": "1.0",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
+    )
     failing = send(producer, "always_fails", "a")
     send(producer, "fails_once", "b")
     send(producer, "expected", "c")  # the actor throws it: an expected outcome, not reported
@@ -194,8 +214,11 @@ def test_sentry_gets_one_event_per_final_failure_none_for_a_recovered_retry_and_
     assert event["exception"]["values"][-1]["mechanism"] == {"type": "dramatiq", "handled": False}
     tags = event["tags"]
     assert (tags["task_type"], tags["queue"], tags["message_id"], str(tags["attempt"])) == (
-        "always_fails", "default", failing, "3",
-    )  # fmt: skip
+        "always_fails",
+        "default",
+        failing,
+        "3",
+    )
     (process,) = [s for s in collector.spans_named("process always_fails") if s.attributes["dramatiq_gp.attempt"] == 3]
     assert tags["trace_id"] == process.trace_id
     crumbs = [c for c in event.get("breadcrumbs", {}).get("values", [])]
@@ -227,10 +250,17 @@ EMAIL = "ada.lovelace@example.com"
 def test_event_data_reaches_sentry_and_the_logs_only_when_pii_sending_is_on(
     run_worker, collector, engine, database_url, pii
 ):
-    worker = run_worker({"SENTRY_DSN": collector.dsn, "SENTRY_TRACES_SAMPLE_RATE": "1.0", "LOG_LEVEL": "DEBUG",
-                         "SENTRY_SEND_DEFAULT_PII": str(pii).lower(), "DB_URL": database_url,
-                         "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
-                         "OTEL_BSP_SCHEDULE_DELAY": "100"})  # fmt: skip
+    worker = run_worker(
+        {
+            "SENTRY_DSN": collector.dsn,
+            "SENTRY_TRACES_SAMPLE_RATE": "1.0",
+            "LOG_LEVEL": "DEBUG",
+            "SENTRY_SEND_DEFAULT_PII": str(pii).lower(),
+            "DB_URL": database_url,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
+    )
     with engine.begin() as conn:
         gp.dispatch(conn, SignedUp(EMAIL))
     wait_for(
@@ -260,8 +290,9 @@ def test_event_data_reaches_sentry_and_the_logs_only_when_pii_sending_is_on(
 
 
 def test_sentry_crons_false_sends_no_check_ins(run_worker, collector):
-    worker = run_worker({"SENTRY_DSN": collector.dsn, "SENTRY_TRACES_SAMPLE_RATE": "1.0", "SENTRY_CRONS": "false",
-                         "GP_TEST_CRON": "1"})  # fmt: skip
+    worker = run_worker(
+        {"SENTRY_DSN": collector.dsn, "SENTRY_TRACES_SAMPLE_RATE": "1.0", "SENTRY_CRONS": "false", "GP_TEST_CRON": "1"}
+    )
     wait_for(lambda: worker.log.count("task done task_type=job:heartbeat") >= 2, timeout=15)
     assert worker.stop() == 0
     assert [t for t in collector.items("transaction") if t["transaction"] == "job:heartbeat"]  # Sentry was on
@@ -271,10 +302,21 @@ def test_sentry_crons_false_sends_no_check_ins(run_worker, collector):
 @pytest.mark.parametrize("pii", [False, True], ids=["pii-off", "pii-on"])
 def test_a_reported_final_failure_frees_its_exception_at_once(collector, redis_url, namespace, pii):
     """Dramatiq's own test_exception_from_actor_doesnt_leak, with the kit and Sentry on."""
-    env = {**os.environ, "SENTRY_DSN": collector.dsn, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace,
-           "SENTRY_SEND_DEFAULT_PII": str(pii).lower()}  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "tests.apps.exception_leak"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    env = {
+        **os.environ,
+        "SENTRY_DSN": collector.dsn,
+        "REDIS_URL": redis_url,
+        "VALKEY_NAMESPACE": namespace,
+        "SENTRY_SEND_DEFAULT_PII": str(pii).lower(),
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.apps.exception_leak"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == {"raised": 2, "alive": 0, "events": 1}
 
@@ -294,10 +336,15 @@ kit.broker.emit_after("process_boot")
 sentry_sdk.capture_message("one event to flush")
 stream.close()  # as pytest closes its capture streams before the exit hooks run
 """
-        env = {**os.environ, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace,
-               "SENTRY_DSN": f"http://key@127.0.0.1:{silent.getsockname()[1]}/1"}  # fmt: skip
-        run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=60)  # fmt: skip
+        env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "VALKEY_NAMESPACE": namespace,
+            "SENTRY_DSN": f"http://key@127.0.0.1:{silent.getsockname()[1]}/1",
+        }
+        run = subprocess.run(
+            [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
     assert run.returncode == 0
     assert "Traceback" not in run.stderr and "Logging error" not in run.stderr, run.stderr
 
@@ -311,11 +358,17 @@ def _free_port() -> int:
 def test_the_prometheus_endpoint_adds_up_every_worker_process(run_worker, producer, tmp_path, engine, database_url):
     port = _free_port()
     worker = run_worker(
-        {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
-         "OTEL_EXPORTER_PROMETHEUS_PORT": str(port), "OTEL_METRIC_EXPORT_INTERVAL": "300",
-         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"), "DB_URL": database_url, "GP_TEST_CRON": "1"},
+        {
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+            "OTEL_METRIC_EXPORT_INTERVAL": "300",
+            "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"),
+            "DB_URL": database_url,
+            "GP_TEST_CRON": "1",
+        },
         processes=2,
-    )  # fmt: skip
+    )
     with engine.begin() as conn:
         for n in range(3):
             gp.dispatch(conn, OrderPlaced(n))
@@ -366,9 +419,15 @@ def _value(text: str, prefix: str) -> float:
 
 def test_telemetry_that_cannot_be_reached_neither_stops_nor_stalls_the_work(run_worker, producer):
     closed = f"http://127.0.0.1:{_free_port()}"
-    worker = run_worker({"OTEL_EXPORTER_OTLP_ENDPOINT": closed, "OTEL_BSP_SCHEDULE_DELAY": "100",
-                         "SENTRY_DSN": f"http://key@{closed[7:]}/1",
-                         "OTEL_METRICS_EXPORTER": "otlp", "OTEL_METRIC_EXPORT_INTERVAL": "200"})  # fmt: skip
+    worker = run_worker(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": closed,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "SENTRY_DSN": f"http://key@{closed[7:]}/1",
+            "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_METRIC_EXPORT_INTERVAL": "200",
+        }
+    )
     send(producer, "always_fails", "x")
     for n in range(200):
         send(producer, "quick", n)

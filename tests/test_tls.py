@@ -40,10 +40,31 @@ def tls_redis(tmp_path_factory):
     cert.private_key_pem.write_to_path(str(directory / "key.pem"))
     server = TLSRedis(port=free_port(), ca_file=str(directory / "ca.pem"))
     log = directory / "redis.log"
-    command = [binary, "--port", "0", "--tls-port", str(server.port), "--bind", "127.0.0.1",
-               "--tls-cert-file", str(directory / "cert.pem"), "--tls-key-file", str(directory / "key.pem"),
-               "--tls-ca-cert-file", server.ca_file, "--tls-auth-clients", "no",
-               "--dir", str(directory), "--logfile", str(log), "--save", "", "--appendonly", "no"]  # fmt: skip
+    command = [
+        binary,
+        "--port",
+        "0",
+        "--tls-port",
+        str(server.port),
+        "--bind",
+        "127.0.0.1",
+        "--tls-cert-file",
+        str(directory / "cert.pem"),
+        "--tls-key-file",
+        str(directory / "key.pem"),
+        "--tls-ca-cert-file",
+        server.ca_file,
+        "--tls-auth-clients",
+        "no",
+        "--dir",
+        str(directory),
+        "--logfile",
+        str(log),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
     with open(directory / "redis.out", "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     client = server.client()

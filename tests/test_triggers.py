@@ -76,8 +76,13 @@ def test_an_interval_trigger_and_a_date_trigger_fire_through_real_workers_each_t
 ):
     now = datetime.now(UTC).replace(microsecond=0)
     run_at = now + timedelta(seconds=6)
-    env = {"REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace, "SCHEDULER_LEASE_TTL": "2s",
-           "GP_TEST_ANCHOR": (now - timedelta(hours=1)).isoformat(), "GP_TEST_RUN_AT": run_at.isoformat()}  # fmt: skip
+    env = {
+        "REDIS_URL": redis_url,
+        "VALKEY_NAMESPACE": namespace,
+        "SCHEDULER_LEASE_TTL": "2s",
+        "GP_TEST_ANCHOR": (now - timedelta(hours=1)).isoformat(),
+        "GP_TEST_RUN_AT": run_at.isoformat(),
+    }
     replicas = [Replica("tests.apps.triggers_app", env, tmp_path / f"replica-{i}.log") for i in range(2)]
     try:
         wait_for(lambda: all(r.started() for r in replicas), timeout=30)
@@ -107,8 +112,9 @@ def test_status_and_schedule_next_show_an_apscheduler_triggers_next_fires(tmp_pa
         env.pop("DB_URL", None)
 
         def cli(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([sys.executable, "-m", "dramatiq_gp", *args], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True)  # fmt: skip
+            return subprocess.run(
+                [sys.executable, "-m", "dramatiq_gp", *args], cwd=tmp_path, env=env, capture_output=True, text=True
+            )
 
         schedulers = json.loads(cli("status", "--json").stdout)["schedulers"]
         (entry,) = next(s["entries"] for s in schedulers if s["namespace"] == namespace)

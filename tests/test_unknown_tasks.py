@@ -143,8 +143,15 @@ def test_after_the_grace_period_an_unknown_task_is_skipped(make_kit, start_worke
 
 
 def _raw(actor_name: str, **fields: object) -> bytes:
-    message = {"queue_name": "default", "actor_name": actor_name, "args": [], "kwargs": {}, "options": {},
-               "message_id": "m-1", "message_timestamp": 1}  # fmt: skip
+    message = {
+        "queue_name": "default",
+        "actor_name": actor_name,
+        "args": [],
+        "kwargs": {},
+        "options": {},
+        "message_id": "m-1",
+        "message_timestamp": 1,
+    }
     message.update(fields)
     return json.dumps(message).encode()
 

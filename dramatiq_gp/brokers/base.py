@@ -106,8 +106,14 @@ def malformed(message: Message[Any]) -> str:
     It takes the message before its proxy wraps it: read through the proxy's
     ``__getattr__``, the six fields cost five times as much.
     """
-    for field, kind in (("queue_name", str), ("actor_name", str), ("message_id", str), ("kwargs", dict),
-                        ("options", dict), ("message_timestamp", int)):  # fmt: skip
+    for field, kind in (
+        ("queue_name", str),
+        ("actor_name", str),
+        ("message_id", str),
+        ("kwargs", dict),
+        ("options", dict),
+        ("message_timestamp", int),
+    ):
         if not isinstance(getattr(message, field), kind):
             return f"its {field} is not a {kind.__name__}"
     for name in NUMERIC_OPTIONS.intersection(message.options):
@@ -219,8 +225,13 @@ class KitBroker(Broker):
         # Consumers start in threads of their own: one at a time, so the last record written lists every queue.
         with self._register_lock:
             self._consumed.add(queue_name)
-            worker = {"host": socket.gethostname(), "pid": os.getpid(), "started_ms": self._started_ms,
-                      "queues": sorted(self._consumed), **self.worker_info}  # fmt: skip
+            worker = {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started_ms": self._started_ms,
+                "queues": sorted(self._consumed),
+                **self.worker_info,
+            }
             now = current_millis()
             prune = now - self.heartbeat_retention_ms if self.heartbeat_retention_ms else 0
             try:
@@ -255,21 +266,27 @@ class KitBroker(Broker):
         waited = now - since
         if waited < self.unknown_task_grace_ms:
             self._warn_once(
-                "held", message.actor_name,
+                "held",
+                message.actor_name,
                 "no handler for task type %r here; holding its messages for up to %d s in case "
                 "a newer worker handles them (WORKER_UNKNOWN_TASK_GRACE)",
-                message.actor_name, self.unknown_task_grace_ms // 1000, level=logging.INFO,
-            )  # fmt: skip
+                message.actor_name,
+                self.unknown_task_grace_ms // 1000,
+                level=logging.INFO,
+            )
             delay_ms = min(UNKNOWN_TASK_RETRY_MS, self.unknown_task_grace_ms - waited)
             self.redeliver_later(message, delay_ms, gp_unknown_since=since)
             consumer.ack(message)
             return
         self._warn_once(
-            "skipped", message.actor_name,
+            "skipped",
+            message.actor_name,
             "task skipped: no handler registered for task type %r (task_id=%s); it and further messages "
             "of this type go to the dead-letter set of queue %r",
-            message.actor_name, message.message_id, q_name(message.queue_name),
-        )  # fmt: skip
+            message.actor_name,
+            message.message_id,
+            q_name(message.queue_name),
+        )
         grace = format_duration(timedelta(milliseconds=self.unknown_task_grace_ms))
         reason = f"no handler for task type {message.actor_name!r} within {grace} (WORKER_UNKNOWN_TASK_GRACE)"
         consumer.dead_letter(message, reason)

@@ -183,8 +183,9 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         #: The open consumers, whose unsettled deliveries the beat records (what AMQP does not count).
         self._consumers: weakref.WeakSet[_Consumer] = weakref.WeakSet()
         if settle_window_ms > 0:
-            self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000,
-                                   retry_on=(ConnectionClosed,))  # fmt: skip
+            self.settler = Settler(
+                self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000, retry_on=(ConnectionClosed,)
+            )
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         """Dramatiq's ``enqueue``, whose wait for the confirm ends after ``confirm_timeout_ms``.
@@ -227,17 +228,19 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             ConfirmTimeout: not confirmed within ``confirm_timeout_ms`` (logged once per queue and outage).
             ConnectionClosed: the connection or the channel closed, or a message was refused or unroutable.
         """
-        self._confirmed_bodies([
-            (message.queue_name, message.encode(), message.options.get("broker_priority")) for message in messages
-        ])  # fmt: skip
+        self._confirmed_bodies(
+            [(message.queue_name, message.encode(), message.options.get("broker_priority")) for message in messages]
+        )
 
     def _confirmed_bodies(self, items: Sequence[tuple[str, bytes, int | None]]) -> None:
         """:meth:`_confirmed` for ``(queue, body, priority)`` items."""
         try:
-            self._batch_publisher().publish([
-                (queue, body, pika.BasicProperties(delivery_mode=2, priority=priority))
-                for queue, body, priority in items
-            ])  # fmt: skip
+            self._batch_publisher().publish(
+                [
+                    (queue, body, pika.BasicProperties(delivery_mode=2, priority=priority))
+                    for queue, body, priority in items
+                ]
+            )
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
             if isinstance(exc, NoReply):
@@ -251,11 +254,14 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     def _no_confirm(self, queues: list[str]) -> QuorumLost:
         """The error for sends to ``queues`` left unconfirmed; the first of an outage logged, and recorded."""
         named = ", ".join(repr(queue) for queue in queues)
-        return self._no_quorum(queues, ConfirmTimeout(  # type: ignore[no-untyped-call]
-            f"RabbitMQ at {self._where()} did not confirm a send to queue {named} within "
-            f"{self.confirm_timeout_s:g} s (RABBITMQ_CONFIRM_TIMEOUT): the queue has likely lost its quorum "
-            "(a majority of its nodes down); it may still be delivered once they are back"
-        ))  # fmt: skip
+        return self._no_quorum(
+            queues,
+            ConfirmTimeout(  # type: ignore[no-untyped-call]
+                f"RabbitMQ at {self._where()} did not confirm a send to queue {named} within "
+                f"{self.confirm_timeout_s:g} s (RABBITMQ_CONFIRM_TIMEOUT): the queue has likely lost its quorum "
+                "(a majority of its nodes down); it may still be delivered once they are back"
+            ),
+        )
 
     def _no_quorum(self, queues: list[str], error: QuorumLost) -> QuorumLost:
         """``error``, for ``queues``; the first of an outage logged, and recorded for ``dramatiq-gp status``."""
@@ -529,10 +535,13 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             if "cluster_not_formed" not in str(exc):
                 raise
             # A quorum queue declared while the majority of its nodes is down.
-            raise self._no_quorum([canonical], QuorumLost(  # type: ignore[no-untyped-call]
-                f"RabbitMQ at {self._where()} cannot declare queue {canonical!r}: it has lost its quorum "
-                "(cluster_not_formed: a majority of its nodes down)"
-            )) from None  # fmt: skip
+            raise self._no_quorum(
+                [canonical],
+                QuorumLost(  # type: ignore[no-untyped-call]
+                    f"RabbitMQ at {self._where()} cannot declare queue {canonical!r}: it has lost its quorum "
+                    "(cluster_not_formed: a majority of its nodes down)"
+                ),
+            ) from None
 
     def _build_queue_arguments(self, queue_name: str) -> dict[str, Any]:
         arguments: dict[str, Any] = super()._build_queue_arguments(queue_name)  # type: ignore[no-untyped-call]
@@ -697,14 +706,17 @@ class _Consumer(_RabbitmqConsumer):
             logger.warning(
                 "not settling %d message(s) of queue %r (%s): the channel that delivered them has closed, "
                 "so RabbitMQ has put them back and they will run again",
-                len(settles), self.queue_name, ", ".join(message.message_id for message, _ in settles),
-            )  # fmt: skip
+                len(settles),
+                self.queue_name,
+                ", ".join(message.message_id for message, _ in settles),
+            )
             return
         calls = []
         for message, command in settles:
             if message._tag not in self.known_tags:
-                logger.warning("not settling message %s of queue %r: already settled", message.message_id,
-                               self.queue_name)  # fmt: skip
+                logger.warning(
+                    "not settling message %s of queue %r: already settled", message.message_id, self.queue_name
+                )
                 continue
             self.known_tags.discard(message._tag)
             self.broker.count_settled(self.queue_name, message, command)

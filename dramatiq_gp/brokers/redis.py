@@ -191,10 +191,14 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             for original in messages:
                 # What Message.copy does, without its per-field introspection (a relay batch is 500 of these).
                 message: Message[Any] = Message(
-                    queue_name=original.queue_name, actor_name=original.actor_name, args=original.args,
-                    kwargs=original.kwargs, options={**original.options, "redis_message_id": self._redis_id()},
-                    message_id=original.message_id, message_timestamp=original.message_timestamp,
-                )  # fmt: skip
+                    queue_name=original.queue_name,
+                    actor_name=original.actor_name,
+                    args=original.args,
+                    kwargs=original.kwargs,
+                    options={**original.options, "redis_message_id": self._redis_id()},
+                    message_id=original.message_id,
+                    message_timestamp=original.message_timestamp,
+                )
                 self.emit_before("enqueue", message, None)
                 prepared.append(message)
                 queue = message.queue_name
@@ -202,11 +206,21 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                     where[queue] = len(touched) + 1
                     touched += [keys.queue(self.namespace, queue), keys.messages(self.namespace, queue)]
                 # What Message.encode does, without Message.asdict's per-field introspection.
-                args += [where[queue], message.options["redis_message_id"], encode({
-                    "queue_name": message.queue_name, "actor_name": message.actor_name, "args": message.args,
-                    "kwargs": message.kwargs, "options": message.options, "message_id": message.message_id,
-                    "message_timestamp": message.message_timestamp,
-                })]  # fmt: skip
+                args += [
+                    where[queue],
+                    message.options["redis_message_id"],
+                    encode(
+                        {
+                            "queue_name": message.queue_name,
+                            "actor_name": message.actor_name,
+                            "args": message.args,
+                            "kwargs": message.kwargs,
+                            "options": message.options,
+                            "message_id": message.message_id,
+                            "message_timestamp": message.message_timestamp,
+                        }
+                    ),
+                ]
             self._scripts["enqueue"](keys=touched, args=args)
         except BaseException as exc:
             for message in prepared:
@@ -230,11 +244,24 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         ns, now = self.namespace, current_millis()
         unpack = self._max_unpack_size()  # type: ignore[no-untyped-call]
         if maintain or self._should_do_maintenance("fetch"):
-            args = ["fetch", now, queue_name, self.broker_id, self.heartbeat_timeout, self.dead_message_ttl, 1,
-                    unpack, 0]  # fmt: skip
+            args = [
+                "fetch",
+                now,
+                queue_name,
+                self.broker_id,
+                self.heartbeat_timeout,
+                self.dead_message_ttl,
+                1,
+                unpack,
+                0,
+            ]
             self.scripts["dispatch"](keys=[ns], args=args)
-        touched = [keys.heartbeats(ns), keys.queue(ns, queue_name), keys.messages(ns, queue_name),
-                   keys.acks(ns, self.broker_id, queue_name)]  # fmt: skip
+        touched = [
+            keys.heartbeats(ns),
+            keys.queue(ns, queue_name),
+            keys.messages(ns, queue_name),
+            keys.acks(ns, self.broker_id, queue_name),
+        ]
         ids, data = self._scripts["fetch"](keys=touched, args=[now, self.broker_id, min(prefetch, unpack)])
         return [(id if isinstance(id, str) else id.decode(), raw) for id, raw in zip(ids, data, strict=True)]
 
@@ -270,9 +297,15 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             if q is None:
                 q = first_key[queue_name] = len(touched) + 1
                 names += [q, q_name(queue_name)]
-                touched += [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
-                            keys.queue(ns, queue_name), keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name),
-                            keys.delay_queue(ns, queue_name), keys.delay_messages(ns, queue_name)]  # fmt: skip
+                touched += [
+                    keys.acks(ns, self.broker_id, queue_name),
+                    keys.messages(ns, queue_name),
+                    keys.queue(ns, queue_name),
+                    keys.dead(ns, queue_name),
+                    keys.dead_messages(ns, queue_name),
+                    keys.delay_queue(ns, queue_name),
+                    keys.delay_messages(ns, queue_name),
+                ]
             plan = settlement(message)
             if plan is None:
                 if command != "nack":
@@ -287,8 +320,17 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             # A dead letter keeps the last attempt's options (its traceback, its retries), not the
             # message as fetched: without them, one that failed at its first attempt says nothing of why.
             data = message.encode() if command == "nack" else (copy.encode() if copy else b"")
-            args += [command[0].upper(), q, message.options["redis_message_id"], key_index, plan.outcome, plan.token,
-                     plan.retention_ms, copy.options["redis_message_id"] if copy else "", data]  # fmt: skip
+            args += [
+                command[0].upper(),
+                q,
+                message.options["redis_message_id"],
+                key_index,
+                plan.outcome,
+                plan.token,
+                plan.retention_ms,
+                copy.options["redis_message_id"] if copy else "",
+                data,
+            ]
         self._scripts["settle"](keys=touched, args=[now, self.broker_id, len(names) // 2, *names, *args])
         for _, message, command in batch:
             plan = settlement(message)
@@ -315,8 +357,12 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         inspection and expires with the others.
         """
         ns = self.namespace
-        touched = [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
-                   keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name)]  # fmt: skip
+        touched = [
+            keys.acks(ns, self.broker_id, queue_name),
+            keys.messages(ns, queue_name),
+            keys.dead(ns, queue_name),
+            keys.dead_messages(ns, queue_name),
+        ]
         return int(self._scripts["set_aside"](keys=touched, args=[redis_id, current_millis()]))
 
     def dead_letter(self, queue_name: str, message: MessageProxy, reason: str) -> None:
@@ -326,11 +372,21 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         status``; the count expires with the dead letters (``dead_message_ttl``).
         """
         ns = self.namespace
-        touched = [keys.acks(ns, self.broker_id, queue_name), keys.messages(ns, queue_name),
-                   keys.dead(ns, queue_name), keys.dead_messages(ns, queue_name), keys.skipped(ns)]  # fmt: skip
+        touched = [
+            keys.acks(ns, self.broker_id, queue_name),
+            keys.messages(ns, queue_name),
+            keys.dead(ns, queue_name),
+            keys.dead_messages(ns, queue_name),
+            keys.skipped(ns),
+        ]
         kept = message.copy(options={DEAD_LETTER_REASON: reason})
-        args = [message.options["redis_message_id"], kept.encode(), current_millis(), message.actor_name,
-                self.dead_message_ttl]  # fmt: skip
+        args = [
+            message.options["redis_message_id"],
+            kept.encode(),
+            current_millis(),
+            message.actor_name,
+            self.dead_message_ttl,
+        ]
         try:
             self._scripts["dead_letter"](keys=touched, args=args)
         except redis.ConnectionError as exc:
@@ -381,8 +437,9 @@ class _Consumer(_RedisConsumer):
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         if dropped:
-            logger.info("returned %d delayed message(s) dropped after a connection error to %r",
-                        len(dropped), self.queue_name)  # fmt: skip
+            logger.info(
+                "returned %d delayed message(s) dropped after a connection error to %r", len(dropped), self.queue_name
+            )
 
     def __next__(self) -> MessageProxy | None:
         try:
@@ -466,9 +523,11 @@ class _Consumer(_RedisConsumer):
         moved = self.broker.set_aside_malformed(self.queue_name, redis_id)
         # The bytes stay out of the line (they may be a payload); they are kept in the dead-letter set.
         logger.error(
-            "a message on queue %r is malformed: %s; %s", self.queue_name, problem,
+            "a message on queue %r is malformed: %s; %s",
+            self.queue_name,
+            problem,
             f"moved to the dead-letter set as {redis_id}" if moved else "could not find it to set it aside",
-        )  # fmt: skip
+        )
 
     def dead_letter(self, message: MessageProxy, reason: str) -> None:
         try:

@@ -118,8 +118,10 @@ class Settler(Generic[T]):
                 self._failing = True
                 logger.warning(
                     "could not settle %d message(s): %s; retrying every %.0f s until they go through",
-                    len(batch), error, RETRY_S,
-                )  # fmt: skip
+                    len(batch),
+                    error,
+                    RETRY_S,
+                )
             if not retry:
                 self._wake.set()
                 return False

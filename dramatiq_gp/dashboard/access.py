@@ -140,8 +140,7 @@ class RequireCredentials:
         logged_at, count = self._failures.get(client, (now - FAILED_LOGIN_LOG_S, 0))
         count += 1
         if now - logged_at >= FAILED_LOGIN_LOG_S:
-            logger.warning("dashboard: %d failed login(s) from %s in the last %ds", count, client,
-                           FAILED_LOGIN_LOG_S)  # fmt: skip
+            logger.warning("dashboard: %d failed login(s) from %s in the last %ds", count, client, FAILED_LOGIN_LOG_S)
             logged_at, count = now, 0
         self._failures[client] = (logged_at, count)
         if len(self._failures) > 10_000:  # many clients: forget the quiet ones rather than grow for ever

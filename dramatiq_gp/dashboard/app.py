@@ -102,9 +102,17 @@ class _Dashboard:
         flash = request.cookies.get(FLASH_COOKIE)
         refresh = _whole(request, "refresh", 0, MIN_REFRESH_S, 3600) if "refresh" in request.query_params else None
         response = self.templates.TemplateResponse(
-            request, name, {"read_only": self.read_only, "csrf": csrf_token(request), "flash": unquote(flash or ""),
-                            "on_rabbitmq": self.reader.on_rabbitmq, "refresh": refresh, **context},
-        )  # fmt: skip
+            request,
+            name,
+            {
+                "read_only": self.read_only,
+                "csrf": csrf_token(request),
+                "flash": unquote(flash or ""),
+                "on_rabbitmq": self.reader.on_rabbitmq,
+                "refresh": refresh,
+                **context,
+            },
+        )
         if flash:
             response.delete_cookie(FLASH_COOKIE, path=request.scope.get("root_path") or "/")
         return keep_csrf(request, response)
@@ -131,16 +139,26 @@ class _Dashboard:
             return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=[])
         offset = _whole(request, "offset", 0, 0, MAX_OFFSET)
         total, letters = self.reader.dead_letters(queue, offset)
-        return self.render(request, "dead_letters.html", page="dead_letters", queue=queue, total=total,
-                           letters=letters, offset=offset, size=PAGE, pii=self.reader.pii)  # fmt: skip
+        return self.render(
+            request,
+            "dead_letters.html",
+            page="dead_letters",
+            queue=queue,
+            total=total,
+            letters=letters,
+            offset=offset,
+            size=PAGE,
+            pii=self.reader.pii,
+        )
 
     def dead_letter(self, request: Request) -> Response:
         queue, id = _queue(request), request.path_params["id"]
         letter = None if self.reader.on_rabbitmq else self.reader.dead_letter(queue, id)
         if letter is None:
             return PlainTextResponse(f"no dead letter {id} in queue {queue}", 404)
-        return self.render(request, "dead_letter.html", page="dead_letters", queue=queue, letter=letter,
-                           pii=self.reader.pii)  # fmt: skip
+        return self.render(
+            request, "dead_letter.html", page="dead_letters", queue=queue, letter=letter, pii=self.reader.pii
+        )
 
     def failures(self, request: Request) -> Response:
         return self.render(request, "failures.html", page="failures", failures=self.reader.failures())
@@ -158,12 +176,21 @@ class _Dashboard:
             return PlainTextResponse("CSRF check failed: reload the page and try again", 403)
         if form.get("confirmed") != "yes":
             fields = [(k, v) for k, v in form.multi_items() if k not in (CSRF_FIELD, "confirmed")]
-            return self.render(request, "confirm.html", page=None, title=title, consequence=consequence,
-                               fields=fields, action=request.url.path, back=back)  # fmt: skip
+            return self.render(
+                request,
+                "confirm.html",
+                page=None,
+                title=title,
+                consequence=consequence,
+                fields=fields,
+                action=request.url.path,
+                back=back,
+            )
         outcome = await run_in_threadpool(perform, form, who(request))
         response = RedirectResponse(back, 303)
-        response.set_cookie(FLASH_COOKIE, quote(outcome), path=request.scope.get("root_path") or "/",
-                            httponly=True, samesite="strict")  # fmt: skip
+        response.set_cookie(
+            FLASH_COOKIE, quote(outcome), path=request.scope.get("root_path") or "/", httponly=True, samesite="strict"
+        )
         return response
 
     async def requeue(self, request: Request) -> Response:
@@ -180,10 +207,13 @@ class _Dashboard:
             return f"{moved} dead letter(s) of queue {queue} requeued"
 
         return await self.act(
-            request, title=f"Requeue {what}?", perform=perform, back=request.url_for("dead_letters", queue=queue).path,
+            request,
+            title=f"Requeue {what}?",
+            perform=perform,
+            back=request.url_for("dead_letters", queue=queue).path,
             consequence="Each goes back to the end of its queue with its message id, so a copy that already "
             "completed is still skipped. It keeps its retry count.",
-        )  # fmt: skip
+        )
 
     async def purge(self, request: Request) -> Response:
         queue = _queue(request)
@@ -193,9 +223,12 @@ class _Dashboard:
             return f"{purged} dead letter(s) of queue {queue} deleted"
 
         return await self.act(
-            request, title=f"Purge every dead letter of queue {queue}?", perform=perform,
-            consequence="They are deleted for good.", back=request.url_for("dead_letters", queue=queue).path,
-        )  # fmt: skip
+            request,
+            title=f"Purge every dead letter of queue {queue}?",
+            perform=perform,
+            consequence="They are deleted for good.",
+            back=request.url_for("dead_letters", queue=queue).path,
+        )
 
     async def replay(self, request: Request) -> Response:
         event_id = request.path_params["event_id"]
@@ -212,15 +245,20 @@ class _Dashboard:
             return f"event {event_id} pending again"
 
         return await self.act(
-            request, title=f"Replay event {event_id}?", perform=perform, back=request.url_for("outbox").path,
+            request,
+            title=f"Replay event {event_id}?",
+            perform=perform,
+            back=request.url_for("outbox").path,
             consequence="It becomes pending again and the relays send it, with its attempts reset.",
-        )  # fmt: skip
+        )
 
     async def pause(self, request: Request) -> Response:
         return await self._entry(
-            request, pause=True, consequence="The leader passes over its ticks from the next one until it is "
+            request,
+            pause=True,
+            consequence="The leader passes over its ticks from the next one until it is "
             "resumed; the ticks of the pause are not caught up.",
-        )  # fmt: skip
+        )
 
     async def resume(self, request: Request) -> Response:
         return await self._entry(request, pause=False, consequence="It fires again from its next tick.")
@@ -296,9 +334,10 @@ def create_app(
     if credentials is None:
         dash = settings.dashboard
         credentials = Credentials(
-            dash.user, dash.password.get_secret_value() if dash.password is not None else None,
+            dash.user,
+            dash.password.get_secret_value() if dash.password is not None else None,
             dash.token.get_secret_value() if dash.token is not None else None,
-        )  # fmt: skip
+        )
     owned: list[Callable[[], object]] = []  # closed when the application stops (its lifespan)
     if client is None:
         client = redis.Redis.from_url(

@@ -44,8 +44,16 @@ WORKER_FIELDS = {"host": str, "pid": int, "started_ms": int, "queues": list, "we
 def _worker(broker_id: Any, beat_ms: int, record: Any) -> dict[str, Any]:
     """A worker process as the overview shows it: a record, or a field, of another shape (written by hand, by
     another version) is marked in its place."""
-    worker = {"id": text(broker_id), "beat_ms": beat_ms, "host": None, "pid": None, "started_ms": None,
-              "queues": [], "weights": None, "strict": False}  # fmt: skip
+    worker = {
+        "id": text(broker_id),
+        "beat_ms": beat_ms,
+        "host": None,
+        "pid": None,
+        "started_ms": None,
+        "queues": [],
+        "weights": None,
+        "strict": False,
+    }
     recorded = json_object(record) if record is not None else {}
     if isinstance(recorded, str):
         return {**worker, "host": recorded}

@@ -56,11 +56,14 @@ class RecentFailures(Middleware):
             return
         lines = str(exception).strip().splitlines()
         failure = {
-            "at_ms": current_millis(), "queue": q_name(message.queue_name), "task_type": message.actor_name,
-            "message_id": message.message_id, "attempt": _attempt(broker, message, exception),
+            "at_ms": current_millis(),
+            "queue": q_name(message.queue_name),
+            "task_type": message.actor_name,
+            "message_id": message.message_id,
+            "attempt": _attempt(broker, message, exception),
             "will_retry": not message.failed,
             "error": f"{type(exception).__name__}: {lines[0] if lines else ''}"[:ERROR_CHARS],
-        }  # fmt: skip
+        }
         kit = kit_broker(broker, self)
         key = keys.failures(kit.namespace)
         try:
@@ -70,8 +73,9 @@ class RecentFailures(Middleware):
                 pipe.execute()
         except redis.RedisError as exc:
             # Only the dashboard reads it: the message's own outcome is not at stake.
-            self.logger.warning("could not record a failure of message %s for the dashboard: %s",
-                                message.message_id, exc)  # fmt: skip
+            self.logger.warning(
+                "could not record a failure of message %s for the dashboard: %s", message.message_id, exc
+            )
 
 
 def _attempt(broker: Broker, message: MessageProxy, exception: BaseException) -> int:

@@ -131,16 +131,19 @@ class IdempotentExecution(Middleware):
         if state[0] == _DONE:
             self.logger.warning(
                 "task skipped: already completed (duplicate) task_type=%s task_id=%s",
-                message.actor_name, message.message_id,
-            )  # fmt: skip
+                message.actor_name,
+                message.message_id,
+            )
         else:
             # Look again soon (the holder may be nearly done), then less and less often.
             deferrals = message.options.get("gp_deferrals", 0)
             delay_ms = min(MIN_DEFER_MS * 2 ** min(deferrals, 5), MAX_DEFER_MS, max(state[1], MIN_DEFER_MS))
             self.logger.info(
                 "task deferred: another copy is running task_type=%s task_id=%s retry_in_ms=%d",
-                message.actor_name, message.message_id, delay_ms,
-            )  # fmt: skip
+                message.actor_name,
+                message.message_id,
+                delay_ms,
+            )
             kit_broker(broker, self).redeliver_later(message, delay_ms, gp_deferrals=deferrals + 1)
         raise SkipMessage()
 

@@ -324,9 +324,10 @@ class Lifecycle(Middleware):
         if not isinstance(broker, KitBroker):
             self.logger.warning(
                 "shutdown: %d task(s) still running at the drain timeout come back after %s's own timeout: %s",
-                len(unfinished), type(broker).__name__,
+                len(unfinished),
+                type(broker).__name__,
                 ", ".join(f"{m.actor_name}/{m.message_id}" for m in unfinished),
-            )  # fmt: skip
+            )
             return
         for message in unfinished:
             setattr(message, PUT_BACK_ATTR, True)

@@ -67,8 +67,11 @@ def monitor_config(entry: Entry) -> dict[str, Any] | None:
     interval, crontab = interval_of(entry.trigger), crontab_of(entry.trigger)
     if interval is not None:
         # Sentry's shortest interval unit is the minute.
-        config["schedule"] = {"type": "interval", "unit": "minute",
-                              "value": max(1, math.ceil(interval.total_seconds() / 60))}  # fmt: skip
+        config["schedule"] = {
+            "type": "interval",
+            "unit": "minute",
+            "value": max(1, math.ceil(interval.total_seconds() / 60)),
+        }
     elif crontab is not None:
         text = " ".join(crontab.split()).lower()
         config["schedule"] = {"type": "crontab", "value": DESCRIPTORS.get(text, text)}
@@ -99,8 +102,12 @@ class Sentry(Middleware):
         scope = scope_manager.__enter__()
         scope.clear_breadcrumbs()
         attempt = message.options.get("retries", 0) + 1
-        tags = {"task_type": message.actor_name, "queue": message.queue_name,
-                "message_id": message.message_id, "attempt": attempt}  # fmt: skip
+        tags = {
+            "task_type": message.actor_name,
+            "queue": message.queue_name,
+            "message_id": message.message_id,
+            "attempt": attempt,
+        }
         trace_id = _trace_id(message)
         if trace_id:
             tags["trace_id"] = trace_id
@@ -136,9 +143,10 @@ class Sentry(Middleware):
                 if not self.send_default_pii:
                     options = {**options, "include_local_variables": False}
                 event, hint = event_from_exception(
-                    _returned_frames(exception), client_options=options,
+                    _returned_frames(exception),
+                    client_options=options,
                     mechanism={"type": "dramatiq", "handled": False},
-                )  # fmt: skip
+                )
                 scope.capture_event(event, hint=hint)
             if check_in is not None:
                 if exception is None:

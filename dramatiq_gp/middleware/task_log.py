@@ -41,15 +41,17 @@ _STARTED_ATTR = "_gp_started"
 
 
 class _ReplacedByTaskLog(logging.Filter):
-    LINES = frozenset({
-        "Message %s was skipped.",
-        "Failed to process message %s with unhandled exception.",
-        "Failed to process message %s with expected exception %s.",
-        "Rate limit exceeded in message %s: %s.",
-        # Dramatiq's Retries (the kit's too): `task failed ... will_retry=` says the same.
-        "Retrying message %r in %d milliseconds.",
-        "Retries exceeded for message %r.",
-    })  # fmt: skip
+    LINES = frozenset(
+        {
+            "Message %s was skipped.",
+            "Failed to process message %s with unhandled exception.",
+            "Failed to process message %s with expected exception %s.",
+            "Rate limit exceeded in message %s: %s.",
+            # Dramatiq's Retries (the kit's too): `task failed ... will_retry=` says the same.
+            "Retrying message %r in %d milliseconds.",
+            "Retries exceeded for message %r.",
+        }
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.msg not in self.LINES
@@ -124,9 +126,11 @@ class TaskLog(Middleware):
         if self.logger.isEnabledFor(logging.INFO):
             self.logger.info(
                 "task started task_type=%s task_id=%s attempt=%d",
-                message.actor_name, message.message_id, attempt,
+                message.actor_name,
+                message.message_id,
+                attempt,
                 extra={"task_type": message.actor_name, "task_id": message.message_id, "attempt": attempt},
-            )  # fmt: skip
+            )
 
     def after_process_message(
         self,
@@ -153,15 +157,23 @@ class TaskLog(Middleware):
         if exception is None:
             self.logger.info(
                 "task done task_type=%s task_id=%s attempt=%d duration_ms=%.2f",
-                message.actor_name, message.message_id, started[1], duration_ms, extra=fields,
-            )  # fmt: skip
+                message.actor_name,
+                message.message_id,
+                started[1],
+                duration_ms,
+                extra=fields,
+            )
             return
         if getattr(message, PUT_BACK_ATTR, False):
             # A coroutine cancelled at shutdown after its message went back to the queue: it runs again.
             self.logger.warning(
                 "task put back task_type=%s task_id=%s attempt=%d duration_ms=%.2f: cancelled at the drain timeout",
-                message.actor_name, message.message_id, started[1], duration_ms, extra=fields,
-            )  # fmt: skip
+                message.actor_name,
+                message.message_id,
+                started[1],
+                duration_ms,
+                extra=fields,
+            )
             return
         # Retries has already decided by now (its after-hook runs before ours) and
         # fails the message when the budget is spent.
@@ -170,8 +182,12 @@ class TaskLog(Middleware):
         if isinstance(exception, Retry):
             self.logger.info(
                 "task retry requested task_type=%s task_id=%s attempt=%d will_retry=%s",
-                message.actor_name, message.message_id, started[1], will_retry, extra=fields,
-            )  # fmt: skip
+                message.actor_name,
+                message.message_id,
+                started[1],
+                will_retry,
+                extra=fields,
+            )
             return
         if isinstance(exception, RateLimitExceeded):
             level, exc_info = logging.DEBUG, None
@@ -187,20 +203,29 @@ class TaskLog(Middleware):
             level, exc_info = logging.ERROR, exception
         if self.logger.isEnabledFor(level):
             self.logger.log(
-                level, "task failed task_type=%s task_id=%s attempt=%d duration_ms=%.2f will_retry=%s%s error=%s",
-                message.actor_name, message.message_id, started[1], duration_ms, will_retry,
-                " expected=True" if fields.get("expected") else "", error,
-                exc_info=exc_info, extra=fields,
-            )  # fmt: skip
+                level,
+                "task failed task_type=%s task_id=%s attempt=%d duration_ms=%.2f will_retry=%s%s error=%s",
+                message.actor_name,
+                message.message_id,
+                started[1],
+                duration_ms,
+                will_retry,
+                " expected=True" if fields.get("expected") else "",
+                error,
+                exc_info=exc_info,
+                extra=fields,
+            )
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         started = getattr(message, _STARTED_ATTR, None)
         if started is not None:
             self.logger.warning(
                 "task skipped task_type=%s task_id=%s attempt=%d",
-                message.actor_name, message.message_id, started[1],
+                message.actor_name,
+                message.message_id,
+                started[1],
                 extra={"task_type": message.actor_name, "task_id": message.message_id, "attempt": started[1]},
-            )  # fmt: skip
+            )
 
 
 def out_of_reach(exception: BaseException) -> bool:

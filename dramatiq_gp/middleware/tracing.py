@@ -138,9 +138,12 @@ class Tracing(Middleware):
         attributes = _attributes(broker, message, "process")
         attributes["dramatiq_gp.attempt"] = options.get("retries", 0) + 1
         span = self.tracer.start_span(
-            f"process {message.actor_name}", context=parent, kind=SpanKind.CONSUMER,
-            links=links, attributes=attributes,
-        )  # fmt: skip
+            f"process {message.actor_name}",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            links=links,
+            attributes=attributes,
+        )
         token = context.attach(trace.set_span_in_context(span, parent))
         setattr(message, _STATE, (span, token))
 

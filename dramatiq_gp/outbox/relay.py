@@ -133,13 +133,18 @@ class Relay:
         self._last_purge = 0.0
         self._next_prune = 0.0
         #: How long inbox rows are kept (``OUTBOX_INBOX_RETENTION``, resolved by ``Settings.from_env``).
-        self.inbox_retention = (settings.inbox_retention or
-                                resolve_inbox_retention(WorkerSettings(), settings).inbox_retention)  # fmt: skip
+        self.inbox_retention = (
+            settings.inbox_retention or resolve_inbox_retention(WorkerSettings(), settings).inbox_retention
+        )
         self._published = instruments().outbox_published
         self._backlog: tuple[float, int, float] = (0.0, 0, 0.0)  # read at, pending, oldest age
         observe("dramatiq_gp.outbox.backlog", "{event}", "Outbox rows not yet relayed", self._observe_backlog)
-        observe("dramatiq_gp.outbox.oldest_age", "s", "Age of the oldest outbox row not yet relayed",
-                self._observe_oldest_age)  # fmt: skip
+        observe(
+            "dramatiq_gp.outbox.oldest_age",
+            "s",
+            "Age of the oldest outbox row not yet relayed",
+            self._observe_oldest_age,
+        )
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -245,8 +250,12 @@ class Relay:
         event_id = str(row.id)
         # ``at``: a listener retired after the event was written still gets it (see subscriptions).
         written = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
-        envelope: dict[str, Any] = {"id": event_id, "event": row.event, "data": payload,
-                                    "at": int(written.timestamp() * 1000)}  # fmt: skip
+        envelope: dict[str, Any] = {
+            "id": event_id,
+            "event": row.event,
+            "data": payload,
+            "at": int(written.timestamp() * 1000),
+        }
         message: Message[Any] = Message(
             queue_name=EVENT_QUEUE,
             actor_name=event_actor(row.event),
@@ -296,24 +305,35 @@ class Relay:
         if at_once:
             self.logger.error(
                 "outbox event %s (%s) set aside: %s; `dramatiq-gp outbox retry %s` re-queues it once fixed",
-                row.id, row.event, error, row.id,
-            )  # fmt: skip
+                row.id,
+                row.event,
+                error,
+                row.id,
+            )
             values: dict[str, Any] = {"failed_at": now}
             instruments().outbox_set_aside.add(1, {"event": row.event})
         elif attempts >= self.settings.max_attempts:
             self.logger.error(
-                "outbox event %s (%s) set aside after %d attempts: %s; "
-                "`dramatiq-gp outbox retry %s` re-queues it",
-                row.id, row.event, attempts, error, row.id,
-            )  # fmt: skip
+                "outbox event %s (%s) set aside after %d attempts: %s; `dramatiq-gp outbox retry %s` re-queues it",
+                row.id,
+                row.event,
+                attempts,
+                error,
+                row.id,
+            )
             values = {"failed_at": now}
             instruments().outbox_set_aside.add(1, {"event": row.event})
         else:
             delay = timedelta(seconds=min(2**attempts, 300))
             self.logger.warning(
                 "outbox event %s (%s) cannot be relayed (attempt %d of %d, next in %ss): %s",
-                row.id, row.event, attempts, self.settings.max_attempts, delay.seconds, error,
-            )  # fmt: skip
+                row.id,
+                row.event,
+                attempts,
+                self.settings.max_attempts,
+                delay.seconds,
+                error,
+            )
             values = {"available_at": now + delay}
         conn.execute(
             sa.update(OUTBOX_EVENTS).where(T.id == row.id).values(attempts=attempts, last_error=error, **values)

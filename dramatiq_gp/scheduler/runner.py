@@ -160,8 +160,12 @@ class Runner:
         quiet_apscheduler()
         self._declare_actors()
         self._namespace = namespace
-        observe("dramatiq_gp.scheduler.leader", "1", "1 in the process that holds the scheduler lease, else 0",
-                self._observe_leader)  # fmt: skip
+        observe(
+            "dramatiq_gp.scheduler.leader",
+            "1",
+            "1 in the process that holds the scheduler lease, else 0",
+            self._observe_leader,
+        )
 
     def _observe_leader(self) -> list[Observation]:
         return [Observation(1 if self.lease.is_held() else 0, {"namespace": self._namespace})]
@@ -177,15 +181,26 @@ class Runner:
             self.keys.entries, mapping={entry.name: f"{entry.text}|{entry.zone.key}" for entry in self.schedule}
         )
         policy = self.settings
-        client.set(self.keys.catchup, json.dumps({
-            "policy": policy.catchup, "grace_s": policy.catchup_grace.total_seconds(), "max": policy.catchup_max,
-            "misfire_threshold_s": policy.misfire_threshold.total_seconds(),
-        }))  # fmt: skip
+        client.set(
+            self.keys.catchup,
+            json.dumps(
+                {
+                    "policy": policy.catchup,
+                    "grace_s": policy.catchup_grace.total_seconds(),
+                    "max": policy.catchup_max,
+                    "misfire_threshold_s": policy.misfire_threshold.total_seconds(),
+                }
+            ),
+        )
         for entry in self.schedule:
             self._timer.add_job(
-                functools.partial(self._fire_due, entry), trigger=entry.trigger, id=entry.name,
-                name=entry.name, executor=TickExecutor.ALIAS, next_run_time=None,  # paused until this process leads
-            )  # fmt: skip
+                functools.partial(self._fire_due, entry),
+                trigger=entry.trigger,
+                id=entry.name,
+                name=entry.name,
+                executor=TickExecutor.ALIAS,
+                next_run_time=None,  # paused until this process leads
+            )
             self._publish_upcoming(entry, datetime.now(UTC))
         self._timer.start(paused=True)
         self.lease.start()
@@ -226,8 +241,14 @@ class Runner:
                     options={**idempotent, **entry.options},
                 )
             else:
-                Actor(_fan_out_fn(self.registry, broker), broker=broker, actor_name=entry.actor_name,
-                      queue_name=entry.queue, priority=0, options=idempotent)  # fmt: skip
+                Actor(
+                    _fan_out_fn(self.registry, broker),
+                    broker=broker,
+                    actor_name=entry.actor_name,
+                    queue_name=entry.queue,
+                    priority=0,
+                    options=idempotent,
+                )
 
     # -- leadership ----------------------------------------------------------------
 
@@ -298,8 +319,11 @@ class Runner:
             if skipped:
                 self.logger.warning(
                     "schedule runner: %s: %d missed tick(s) not fired (SCHEDULER_CATCHUP=%s: more than "
-                    "SCHEDULER_MISFIRE_THRESHOLD late)", entry.name, skipped, policy,
-                )  # fmt: skip
+                    "SCHEDULER_MISFIRE_THRESHOLD late)",
+                    entry.name,
+                    skipped,
+                    policy,
+                )
             for missed_tick in [*chosen, *on_time]:
                 if not self._fire(entry, missed_tick, catching_up=True):
                     return False
@@ -337,10 +361,14 @@ class Runner:
             return False
         # Each firing starts a trace of its own, named after the entry.
         with self.tracer.start_as_current_span(
-            f"schedule {entry.name}", context=Context(),
-            attributes={"dramatiq_gp.schedule.entry": entry.name, "dramatiq_gp.schedule.tick": tick.isoformat(),
-                        "dramatiq_gp.schedule.catch_up": catching_up},
-        ) as span:  # fmt: skip
+            f"schedule {entry.name}",
+            context=Context(),
+            attributes={
+                "dramatiq_gp.schedule.entry": entry.name,
+                "dramatiq_gp.schedule.tick": tick.isoformat(),
+                "dramatiq_gp.schedule.catch_up": catching_up,
+            },
+        ) as span:
             result = self._enqueue_tick(entry, tick)
             outcome = {1: "fired", 0: "deduplicated", 2: "paused"}.get(result, "lease lost")
             span.set_attribute("dramatiq_gp.schedule.outcome", outcome)
@@ -358,8 +386,11 @@ class Runner:
             lateness_ms = (datetime.now(UTC) - tick).total_seconds() * 1000
             self.logger.info(
                 "schedule runner: fired %s scheduled_at=%s lateness_ms=%.0f%s",
-                entry.name, tick.astimezone(entry.zone).isoformat(), lateness_ms, " (catch-up)" if catching_up else "",
-            )  # fmt: skip
+                entry.name,
+                tick.astimezone(entry.zone).isoformat(),
+                lateness_ms,
+                " (catch-up)" if catching_up else "",
+            )
         return True
 
     def _enqueue_tick(self, entry: Entry, tick: datetime) -> int:
@@ -373,11 +404,19 @@ class Runner:
         ns, queue = self.broker.namespace, entry.queue
         assert self.lease.value is not None
         try:
-            result = int(self._fire_script(
-                keys=[self.lease.key, self.keys.tick(entry.name, _ms(tick)), self.covered_key,
-                      keys.queue(ns, queue), keys.messages(ns, queue), self.keys.paused],
-                args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), redis_id, message.encode()],
-            ))  # fmt: skip
+            result = int(
+                self._fire_script(
+                    keys=[
+                        self.lease.key,
+                        self.keys.tick(entry.name, _ms(tick)),
+                        self.covered_key,
+                        keys.queue(ns, queue),
+                        keys.messages(ns, queue),
+                        self.keys.paused,
+                    ],
+                    args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), redis_id, message.encode()],
+                )
+            )
         except BaseException as exc:
             self.broker.send_failed(message, exc)
             raise
@@ -392,11 +431,18 @@ class Runner:
         message = self._message(entry, tick)
         field = f"{entry.name}:{_ms(tick)}"
         assert self.lease.value is not None
-        result = int(self._claim_script(
-            keys=[self.lease.key, self.keys.tick(entry.name, _ms(tick)), self.covered_key, self.keys.unpublished,
-                  self.keys.paused],
-            args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), field, message.encode()],
-        ))  # fmt: skip
+        result = int(
+            self._claim_script(
+                keys=[
+                    self.lease.key,
+                    self.keys.tick(entry.name, _ms(tick)),
+                    self.covered_key,
+                    self.keys.unpublished,
+                    self.keys.paused,
+                ],
+                args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), field, message.encode()],
+            )
+        )
         if result == 1:
             # A failure here leaves it unpublished, for the next takeover (the error starts one).
             self.broker.enqueue(message)

@@ -54,8 +54,12 @@ def main() -> int:
     env = {**os.environ, "SHOP_REPORT_CRON": "@every 3s"}
     worker = subprocess.Popen(
         [sys.executable, "-m", "dramatiq", WORKER, "--processes", "1", "--threads", "4"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     threading.Thread(target=_stream, args=(worker, lines), daemon=True).start()
     try:
         _wait_until(lambda: any("start-up: consumers started" in line for line in lines), 60, "the worker")

@@ -82,8 +82,11 @@ CASES = (Added, Extra, DefaultRemoved, RequiredRemoved, RequiredAdded, Renamed)
 
 
 def record(event: Any) -> None:
-    row = {"namespace": broker.namespace, "event": gp.current_envelope().event,
-           "fields": json.dumps(dataclasses.asdict(event))}  # fmt: skip
+    row = {
+        "namespace": broker.namespace,
+        "event": gp.current_envelope().event,
+        "fields": json.dumps(dataclasses.asdict(event)),
+    }
     with ledger.begin() as conn:
         conn.execute(sa.text("INSERT INTO compat_runs VALUES (:namespace, :event, CAST(:fields AS jsonb))"), row)
 

@@ -28,8 +28,13 @@ CREATE TABLE IF NOT EXISTS deploy_runs (
 
 def recorder(name: str) -> Callable[[Ordered], None]:
     def record(event: Ordered) -> None:
-        row = {"namespace": broker.namespace, "listener": name, "envelope": gp.current_envelope().id,
-               "order_id": event.order_id, "pid": os.getpid()}  # fmt: skip
+        row = {
+            "namespace": broker.namespace,
+            "listener": name,
+            "envelope": gp.current_envelope().id,
+            "order_id": event.order_id,
+            "pid": os.getpid(),
+        }
         with ledger.begin() as conn:
             conn.execute(
                 sa.text("INSERT INTO deploy_runs VALUES (:namespace, :listener, :envelope, :order_id, :pid)"), row

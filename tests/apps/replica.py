@@ -26,9 +26,13 @@ class Replica:
         command = [sys.executable, "-m", "dramatiq", app, "-p", "1", "-t", str(threads), *args]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
-                command, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                command,
+                cwd=ROOT,
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
 
     @property
     def log(self) -> str:
