@@ -90,7 +90,7 @@ def _database(settings: Settings) -> Iterator[Any]:
 
     if not settings.db.configured:
         _fail("no database configured: set DB_URL (or DB_HOST, DB_USER, DB_PASSWORD, DB_NAME)")
-    engine = sa.create_engine(settings.db.sqlalchemy_url())
+    engine = settings.db.engine()
     try:
         yield engine
     except sa.exc.SQLAlchemyError as exc:
@@ -102,14 +102,12 @@ def _database(settings: Settings) -> Iterator[Any]:
 
 def _redis(settings: Settings) -> redis.Redis:
     """A Redis client closed when the command ends: left to the garbage collector, its socket warns."""
-    client = redis.Redis.from_url(
-        settings.queue.connection_url(), socket_connect_timeout=5, **settings.queue.client_options()
-    )
+    client = settings.redis.client(socket_connect_timeout=5)
     click.get_current_context().call_on_close(client.close)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise click.ClickException(f"Redis/Valkey unreachable at {settings.queue.display()}: {exc}") from None
+        raise click.ClickException(f"Redis/Valkey unreachable at {settings.redis.display()}: {exc}") from None
     return client
 
 
@@ -318,15 +316,15 @@ def _sending_broker(settings: Settings, client: redis.Redis) -> Iterator[Any]:
     """A broker that only sends, to where the workers' queues are; closed at the end."""
     from .brokers.redis import RedisBroker
 
-    if settings.broker.url is not None:
+    if settings.rabbitmq.url is not None:
         from .brokers.rabbitmq import RabbitmqBroker
 
-        urls = settings.broker.urls()
+        urls = settings.rabbitmq.urls()
         broker: Any = RabbitmqBroker(
-            url=urls if len(urls) > 1 else urls[0], client=client, namespace=settings.queue.namespace, middleware=[]
+            url=urls if len(urls) > 1 else urls[0], client=client, namespace=settings.redis.namespace, middleware=[]
         )
     else:
-        broker = RedisBroker(client=client, namespace=settings.queue.namespace, middleware=[])
+        broker = RedisBroker(client=client, namespace=settings.redis.namespace, middleware=[])
     try:
         yield broker
     finally:
@@ -348,9 +346,9 @@ def _who() -> str:
 def _dead_letters() -> tuple[redis.Redis, str, bool]:
     """The Redis client, the namespace and whether personal data may be shown; refuses RabbitMQ."""
     settings = _settings()
-    if settings.broker.url:
+    if settings.rabbitmq.url:
         _fail("dramatiq-gp dlq reads dead letters on Redis; with BROKER_URL they are in RabbitMQ's <queue>.XQ queues")
-    return _redis(settings), settings.queue.namespace, settings.sentry.send_default_pii
+    return _redis(settings), settings.redis.namespace, settings.sentry.send_default_pii
 
 
 @main.group()
@@ -535,7 +533,7 @@ def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
 
 def _scheduler_keys(settings: Settings) -> keys.SchedulerKeys:
     """The keys of the scheduler these settings name (``SCHEDULER_NAMESPACE``, by default the queues')."""
-    return keys.SchedulerKeys(settings.scheduler.namespace or settings.queue.namespace)
+    return keys.SchedulerKeys(settings.scheduler.namespace or settings.redis.namespace)
 
 
 @schedule.command("pause")
@@ -783,7 +781,7 @@ def dashboard(host: str, port: int, read_only: bool) -> None:
         hosts = [host, "localhost", "127.0.0.1", "::1"]
     app = create_app(settings, read_only=read_only, client=client, allowed_hosts=hosts)
     mode = " (read-only)" if read_only else ""
-    click.echo(f"dashboard{mode} on http://{host}:{port}/ reading {settings.queue.display()}")
+    click.echo(f"dashboard{mode} on http://{host}:{port}/ reading {settings.redis.display()}")
     proxies = settings.dashboard.trusted_proxies
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: anyone on the machine could forge the audit lines.
     uvicorn.run(
@@ -800,9 +798,9 @@ def _rabbitmq_queues(settings: Settings, client: redis.Redis) -> list[dict[str, 
     from .status import rabbitmq_queue_status
 
     try:
-        return rabbitmq_queue_status(settings.broker.urls(), client, settings.queue.namespace)
+        return rabbitmq_queue_status(settings.rabbitmq.urls(), client, settings.redis.namespace)
     except pika.exceptions.AMQPError as exc:
-        raise click.ClickException(f"RabbitMQ unreachable at {settings.broker.display()}: {exc!r}") from None
+        raise click.ClickException(f"RabbitMQ unreachable at {settings.rabbitmq.display()}: {exc!r}") from None
 
 
 @main.command()
@@ -820,14 +818,14 @@ def status(as_json: bool) -> None:
 
     settings = _settings()
     client = _redis(settings)
-    namespace = settings.queue.namespace
+    namespace = settings.redis.namespace
     schedulers = {_scheduler_keys(settings)}
     found = client.scan_iter(keys.ALL_SCHEDULER_ENTRIES, count=1000)
     schedulers |= {keys.SchedulerKeys.from_entries_key(key.decode()) for key in found}
     report: dict[str, Any] = {
         "schedulers": [scheduler_status(client, s) for s in sorted(schedulers, key=lambda s: s.namespace)],
         "outbox": None,
-        "queues": _rabbitmq_queues(settings, client) if settings.broker.url else queue_status(client, namespace),
+        "queues": _rabbitmq_queues(settings, client) if settings.rabbitmq.url else queue_status(client, namespace),
         "skipped_task_types": skipped_status(client, namespace),
     }
     if settings.db.configured:

@@ -99,7 +99,7 @@ class Kit:
         global _current
         self.settings = settings if settings is not None else Settings.from_env()
         options = dict(broker_options or {})
-        namespace = options.setdefault("namespace", self.settings.queue.namespace)
+        namespace = options.setdefault("namespace", self.settings.redis.namespace)
         self.telemetry = Telemetry(self.settings, namespace=namespace, tracer_provider=tracer_provider)
         self.registry = registry if registry is not None else default_registry
         self.schedule = Schedule(self.settings.scheduler.timezone)
@@ -174,26 +174,19 @@ class Kit:
         try:
             self.broker.client.ping()
         except redis.RedisError as exc:
-            raise BrokerUnreachable(f"Redis/Valkey unreachable at {self.settings.queue.display()}: {exc}") from None
+            raise BrokerUnreachable(f"Redis/Valkey unreachable at {self.settings.redis.display()}: {exc}") from None
         self.broker.ping_queues()
 
     def _database(self) -> sa.Engine | None:
         if not self.settings.db.configured:
             return None  # SQLAlchemy is not even imported without a database
-        import sqlalchemy as sa
-
-        db = self.settings.db
-        return sa.create_engine(db.sqlalchemy_url(), pool_size=db.pool_size, pool_pre_ping=True)
+        return self.settings.db.engine()
 
     def _build_broker(self, options: dict[str, Any], middleware: list[Middleware]) -> KitBroker:
-        queue = self.settings.queue
-        client = options.pop("client", None) or redis.Redis.from_url(
-            queue.connection_url(),
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
-            health_check_interval=30,
-            **queue.client_options(),
+        client = options.pop("client", None) or self.settings.redis.client(
+            socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30
         )
-        worker, rabbitmq = self.settings.worker, self.settings.broker
+        worker, rabbitmq = self.settings.worker, self.settings.rabbitmq
         options.setdefault("unknown_task_grace_ms", int(worker.unknown_task_grace.total_seconds() * 1000))
         options.setdefault("settle_window_ms", worker.settle_window.total_seconds() * 1000)
         if rabbitmq.url is not None:

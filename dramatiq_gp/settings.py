@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -22,6 +22,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .durations import format_duration, parse_duration
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import redis
+    import sqlalchemy as sa
 
 #: Dramatiq's own rule for queue names.
 QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
@@ -147,7 +151,7 @@ class WorkerSettings(BaseSettings):
         return self
 
 
-class QueueSettings(BaseSettings):
+class RedisSettings(BaseSettings):
     """``VALKEY_*`` (or ``REDIS_URL``): the Redis/Valkey server the queues live on."""
 
     model_config = SettingsConfigDict(env_prefix="VALKEY_", extra="ignore", populate_by_name=True)
@@ -166,7 +170,7 @@ class QueueSettings(BaseSettings):
     namespace: str = Field(default="dramatiq", pattern=r"^[A-Za-z0-9_.\-]+$")
 
     @model_validator(mode="after")
-    def _one_address(self) -> QueueSettings:
+    def _one_address(self) -> RedisSettings:
         if self.url is not None:
             if "addr" in self.model_fields_set:
                 raise ValueError("set either REDIS_URL or VALKEY_ADDR, not both")
@@ -226,11 +230,17 @@ class QueueSettings(BaseSettings):
                 options["ssl_cert_reqs"] = "none"
         return options
 
+    def client(self, **options: Any) -> redis.Redis:
+        """A client for this server; ``options`` (timeouts, say) go to :func:`redis.Redis.from_url`."""
+        import redis
 
-class BrokerSettings(BaseSettings):
+        return redis.Redis.from_url(self.connection_url(), **{**self.client_options(), **options})
+
+
+class RabbitmqSettings(BaseSettings):
     """``BROKER_URL`` and ``RABBITMQ_*``: RabbitMQ for the queues instead of Redis/Valkey.
 
-    Unset, the queues live on the Redis/Valkey of :class:`QueueSettings`. Set, they
+    Unset, the queues live on the Redis/Valkey of :class:`RedisSettings`. Set, they
     live on RabbitMQ, and that Redis/Valkey keeps only the coordination state (the
     scheduler's lease and ticks, the idempotency claims and done marks).
     """
@@ -245,7 +255,7 @@ class BrokerSettings(BaseSettings):
     confirm_timeout: Duration = Field(default=timedelta(seconds=10), ge=timedelta(milliseconds=100))
 
     @model_validator(mode="after")
-    def _amqp(self) -> BrokerSettings:
+    def _amqp(self) -> RabbitmqSettings:
         for url in self.urls():
             scheme = _readable_url("BROKER_URL", url).scheme
             if scheme not in ("amqp", "amqps"):
@@ -322,6 +332,14 @@ class DatabaseSettings(BaseSettings):
 
     def display(self) -> str:
         return redact_url(self.sqlalchemy_url())
+
+    def engine(self, **options: Any) -> sa.Engine:
+        """An engine for this database, its pool checked before use; ``options`` go to ``create_engine``."""
+        import sqlalchemy as sa
+
+        return sa.create_engine(
+            self.sqlalchemy_url(), **{"pool_size": self.pool_size, "pool_pre_ping": True, **options}
+        )
 
 
 class OutboxSettings(BaseSettings):
@@ -599,14 +617,14 @@ class Settings:
     """Every group the worker reads. Later capabilities add their groups here."""
 
     worker: WorkerSettings = field(default_factory=lambda: WorkerSettings())
-    queue: QueueSettings = field(default_factory=lambda: QueueSettings())
+    redis: RedisSettings = field(default_factory=lambda: RedisSettings())
     log: LogSettings = field(default_factory=lambda: LogSettings())
     db: DatabaseSettings = field(default_factory=lambda: DatabaseSettings())
     outbox: OutboxSettings = field(default_factory=lambda: OutboxSettings())
     scheduler: SchedulerSettings = field(default_factory=lambda: SchedulerSettings())
     otel: OtelSettings = field(default_factory=lambda: OtelSettings())
     sentry: SentrySettings = field(default_factory=lambda: SentrySettings())
-    broker: BrokerSettings = field(default_factory=lambda: BrokerSettings())
+    rabbitmq: RabbitmqSettings = field(default_factory=lambda: RabbitmqSettings())
     dashboard: DashboardSettings = field(default_factory=lambda: DashboardSettings())
 
     @classmethod
@@ -625,16 +643,16 @@ class Settings:
                 problems.extend(_describe(group, exc))
                 return None
 
-        worker, queue, log = load(WorkerSettings), load(QueueSettings), load(LogSettings)
+        worker, redis, log = load(WorkerSettings), load(RedisSettings), load(LogSettings)
         db, outbox, scheduler = load(DatabaseSettings), load(OutboxSettings), load(SchedulerSettings)
-        otel, sentry, broker = load(OtelSettings), load(SentrySettings), load(BrokerSettings)
+        otel, sentry, rabbitmq = load(OtelSettings), load(SentrySettings), load(RabbitmqSettings)
         dashboard = load(DashboardSettings)
-        groups = (worker, queue, log, db, outbox, scheduler, otel, sentry, broker, dashboard)
+        groups = (worker, redis, log, db, outbox, scheduler, otel, sentry, rabbitmq, dashboard)
         if problems or any(group is None for group in groups):
             raise ConfigError("invalid configuration: " + "; ".join(problems))
         assert worker is not None and outbox is not None
         outbox = resolve_inbox_retention(worker, outbox)
-        return cls(worker, queue, log, db, outbox, scheduler, otel, sentry, broker, dashboard)  # type: ignore[arg-type]
+        return cls(worker, redis, log, db, outbox, scheduler, otel, sentry, rabbitmq, dashboard)  # type: ignore[arg-type]
 
 
 def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:

@@ -310,7 +310,7 @@ class Telemetry:
         configure_logging(settings.log, send_default_pii=settings.sentry.send_default_pii)
         #: The application's own provider for the kit's spans; ``None`` means the global one.
         self.tracer_provider = tracer_provider
-        self.namespace = namespace or settings.queue.namespace
+        self.namespace = namespace or settings.redis.namespace
         otel = settings.otel
         self._span_exporters = [span_exporter_factory(name) for name in otel.traces()]
         self._metric_exporters = [metric_exporter_factory(name) for name in otel.metrics() if name != "prometheus"]

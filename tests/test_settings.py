@@ -38,7 +38,7 @@ def test_defaults(env):
     assert settings.worker.shutdown_timeout is None
     assert settings.worker.dedup_retention == timedelta(hours=24)
     assert settings.worker.settle_window == timedelta(milliseconds=1)
-    assert settings.queue.display() == "redis://127.0.0.1:6379/0"
+    assert settings.redis.display() == "redis://127.0.0.1:6379/0"
     assert settings.log.level == "INFO"
 
 
@@ -115,7 +115,7 @@ def test_passwords_never_show(env):
     env.setenv("VALKEY_USERNAME", "app")
     env.setenv("VALKEY_PASSWORD", "p@ss/word")
     env.setenv("VALKEY_TLS", "1")
-    queue = gp.Settings.from_env().queue
+    queue = gp.Settings.from_env().redis
     assert queue.display() == "rediss://app:***@127.0.0.1:6379/0"
     assert queue.connection_url() == "rediss://app:p%40ss%2Fword@127.0.0.1:6379/0"
     env.setenv("VALKEY_DB", "nope")
@@ -126,7 +126,7 @@ def test_passwords_never_show(env):
 
 def test_valkey_urls_are_accepted(env):
     env.setenv("REDIS_URL", "valkey://cache:6379/2")
-    assert gp.Settings.from_env().queue.connection_url() == "redis://cache:6379/2"
+    assert gp.Settings.from_env().redis.connection_url() == "redis://cache:6379/2"
 
 
 @pytest.mark.parametrize(
@@ -311,7 +311,7 @@ def test_tls_options_without_tls_are_one_line_not_silently_ignored(env, env_vars
         gp.Settings.from_env()
     env.setenv("VALKEY_TLS", "true")
     if "REDIS_URL" not in env_vars:
-        assert gp.Settings.from_env().queue.client_options()["ssl_cert_reqs"] == "none"
+        assert gp.Settings.from_env().redis.client_options()["ssl_cert_reqs"] == "none"
 
 
 # -- SCHEDULER_CATCHUP_MAX ---------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_a_kit_runs_its_work_over_tls_with_the_ca_file(tls_env, tls_redis, make_
     tls_env.setenv("VALKEY_TLS_CA_FILE", tls_redis.ca_file)
     seen: list[int] = []
     kit = make_kit(lambda registry, schedule: registry.listen(Ping, lambda event: seen.append(event.n), name="seen"))
-    assert kit.settings.queue.display() == f"rediss://127.0.0.1:{tls_redis.port}/0"
+    assert kit.settings.redis.display() == f"rediss://127.0.0.1:{tls_redis.port}/0"
     kit.check_connection()
     kit.dispatch(Ping(1))
     assert tls_redis.client().llen(f"{namespace}:default") == 1  # the only port this server has is TLS

@@ -340,17 +340,13 @@ def create_app(
         )
     owned: list[Callable[[], object]] = []  # closed when the application stops (its lifespan)
     if client is None:
-        client = redis.Redis.from_url(
-            settings.queue.connection_url(), socket_connect_timeout=5, **settings.queue.client_options()
-        )
+        client = settings.redis.client(socket_connect_timeout=5)
         owned.append(client.close)
     if engine is None and settings.db.configured:
-        import sqlalchemy as sa
-
-        engine = sa.create_engine(settings.db.sqlalchemy_url(), pool_pre_ping=True)
+        engine = settings.db.engine()
         owned.append(engine.dispose)
     dashboard = _Dashboard(Reader(settings, client, engine), read_only=read_only)
-    display, db_display = settings.queue.display(), settings.db.display() if settings.db.configured else ""
+    display, db_display = settings.redis.display(), settings.db.display() if settings.db.configured else ""
 
     def unreachable(request: Request, exc: Exception) -> Response:
         if isinstance(exc, redis.RedisError):
@@ -358,10 +354,10 @@ def create_app(
         if isinstance(exc, sa_exc.SQLAlchemyError):
             reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
             return PlainTextResponse(f"database error at {db_display}: {reason}", 503)
-        return PlainTextResponse(f"RabbitMQ unreachable at {settings.broker.display()}: {exc!r}", 503)
+        return PlainTextResponse(f"RabbitMQ unreachable at {settings.rabbitmq.display()}: {exc!r}", 503)
 
     errors: dict[Any, Any] = {redis.RedisError: unreachable, sa_exc.SQLAlchemyError: unreachable}
-    if settings.broker.url:
+    if settings.rabbitmq.url:
         import pika.exceptions
 
         errors[pika.exceptions.AMQPError] = unreachable

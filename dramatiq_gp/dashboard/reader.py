@@ -84,7 +84,7 @@ class Reader:
 
     @property
     def namespace(self) -> str:
-        return self.settings.queue.namespace
+        return self.settings.redis.namespace
 
     @property
     def scheduler_keys(self) -> keys.SchedulerKeys:
@@ -92,7 +92,7 @@ class Reader:
 
     @property
     def on_rabbitmq(self) -> bool:
-        return bool(self.settings.broker.url)
+        return bool(self.settings.rabbitmq.url)
 
     @property
     def pii(self) -> bool:
@@ -101,7 +101,7 @@ class Reader:
     def queues(self) -> list[dict[str, Any]]:
         """Per queue: ready, in flight, delayed and dead (on RabbitMQ, what AMQP tells)."""
         if self.on_rabbitmq:
-            return rabbitmq_queue_status(self.settings.broker.urls(), self.client, self.namespace)
+            return rabbitmq_queue_status(self.settings.rabbitmq.urls(), self.client, self.namespace)
         return queue_counts(self.client, self.namespace, recorded_queues(self.client, self.namespace))
 
     def throughput(self, now_ms: int) -> dict[str, Any]:

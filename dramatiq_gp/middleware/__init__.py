@@ -99,14 +99,14 @@ def default_middleware(
         ConfigError: an environment variable is invalid.
     """
     settings = settings if settings is not None else Settings.from_env()
-    telemetry = telemetry if telemetry is not None else Telemetry(settings, namespace=settings.queue.namespace)
+    telemetry = telemetry if telemetry is not None else Telemetry(settings, namespace=settings.redis.namespace)
     registry = registry if registry is not None else default_registry
     schedule = schedule if schedule is not None else default_schedule
     worker = settings.worker
     lifecycle = Lifecycle(
         telemetry=telemetry,
         shutdown_timeout_ms=_ms(worker.shutdown_timeout) if worker.shutdown_timeout is not None else None,
-        display=settings.queue.display(),
+        display=settings.redis.display(),
     )
     producers: list[Middleware] = [
         SchedulerLease(
@@ -114,10 +114,7 @@ def default_middleware(
         )
     ]
     if engine is None and settings.db.configured:
-        import sqlalchemy as sa
-
-        db = settings.db
-        engine = sa.create_engine(db.sqlalchemy_url(), pool_size=db.pool_size, pool_pre_ping=True)
+        engine = settings.db.engine()
         lifecycle.closers.kit.append(("outbox database", engine.dispose))
     if engine is not None:
         from ..outbox import set_notify

@@ -24,8 +24,8 @@ schedule = gp.Schedule(settings.scheduler.timezone)
 jobs.register(schedule, deps)
 
 broker = gp.RedisBroker(
-    url=settings.queue.connection_url(),
-    namespace=settings.queue.namespace,
+    url=settings.redis.connection_url(),
+    namespace=settings.redis.namespace,
     middleware=[
         gp.SchedulerLease(schedule, registry=registry, settings=settings.scheduler),
         gp.OutboxRelay(deps.engine, settings=settings.outbox),
