@@ -21,6 +21,7 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(PY) -m devtools.imports
 
 test: lint
 	$(PY) -m pytest -q

@@ -21,9 +21,8 @@ from dramatiq import Message
 
 import dramatiq_gp as gp
 from benchmarks import outbox_common  # noqa: F401  (declares the event type)
-from dramatiq_gp.names import event_actor
+from dramatiq_gp.names import EVENT_QUEUE, event_actor
 from dramatiq_gp.outbox import OUTBOX_EVENTS
-from dramatiq_gp.registry import EVENT_QUEUE
 
 T = OUTBOX_EVENTS.c
 

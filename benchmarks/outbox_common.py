@@ -79,7 +79,7 @@ def rabbitmq_queued_ids(url: str) -> list[str]:
     import pika
     import pika.exceptions
 
-    from dramatiq_gp.registry import EVENT_QUEUE
+    from dramatiq_gp.names import EVENT_QUEUE
 
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
@@ -101,7 +101,7 @@ def delete_rabbitmq_queues(url: str, queue: str | None = None) -> None:
     import pika
     from dramatiq.common import dq_name, xq_name
 
-    from dramatiq_gp.registry import EVENT_QUEUE
+    from dramatiq_gp.names import EVENT_QUEUE
 
     queue = queue or EVENT_QUEUE
     connection = pika.BlockingConnection(pika.URLParameters(url))

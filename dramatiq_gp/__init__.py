@@ -24,7 +24,7 @@ from .errors import (
     RegistrationError,
 )
 from .events import event, event_type
-from .exactly_once import AlreadyApplied, inbox
+from .exactly_once import inbox
 from .kit import Kit, RegisterFunc, dispatch, dispatch_async
 from .middleware import (
     AsyncIO,

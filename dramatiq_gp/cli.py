@@ -26,6 +26,7 @@ import redis
 
 from . import keys
 from .errors import ConfigError
+from .records import text
 from .scheduler.cron import CronError, parse
 from .settings import Settings
 
@@ -232,11 +233,11 @@ def outbox_retry(ids: tuple[str, ...], every: bool) -> None:
 
     if bool(ids) == every:
         _fail("give the event ids to retry, or --all")
-    for text in ids:
+    for given in ids:
         try:
-            uuid.UUID(text)
+            uuid.UUID(given)
         except ValueError:
-            _fail(f"{text!r} is not an event id (a UUID, as `dramatiq-gp outbox failed` lists them)")
+            _fail(f"{given!r} is not an event id (a UUID, as `dramatiq-gp outbox failed` lists them)")
     with _database(_settings()) as engine, engine.begin() as conn:
         count = outbox.retry_failed(conn, None if every else list(ids))
     click.echo(f"{count} event(s) pending again")
@@ -512,15 +513,15 @@ def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
             if published is None:
                 where = scheduler.prefix
                 _fail(f"no schedule entry {entry_or_spec!r} published under {where!r}; give a cron spec instead")
-            spec_text, _, entry_zone = _decoded(published).rpartition("|")
+            spec_text, _, entry_zone = text(published).rpartition("|")
             zone_name = tz or entry_zone
             try:
                 parse(spec_text)
             except CronError:  # an APScheduler trigger: the leader publishes its next fire times
                 zone = _zone(zone_name)
-                times = json.loads(_decoded(client.hget(scheduler.upcoming, entry_or_spec) or "[]"))
-                for text in [t for t in times if datetime.fromisoformat(t) > datetime.now(UTC)][:count]:
-                    click.echo(datetime.fromisoformat(text).astimezone(zone).isoformat())
+                times = json.loads(text(client.hget(scheduler.upcoming, entry_or_spec) or "[]"))
+                for at_text in [t for t in times if datetime.fromisoformat(t) > datetime.now(UTC)][:count]:
+                    click.echo(datetime.fromisoformat(at_text).astimezone(zone).isoformat())
                 return
         try:
             zone = _zone(zone_name)
@@ -591,10 +592,6 @@ def _imported_trigger(path: str) -> Any:
     if not isinstance(trigger, BaseTrigger):
         raise click.ClickException(f"{path!r} is a {type(trigger).__name__}, not an APScheduler trigger")
     return trigger
-
-
-def _decoded(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 # -- generators --------------------------------------------------------------------
@@ -814,7 +811,8 @@ def status(as_json: bool) -> None:
     Example:
       dramatiq-gp status --json
     """
-    from .status import outbox_status, queue_status, scheduler_status, skipped_status
+    from .scheduler.status import scheduler_status
+    from .status import outbox_status, queue_status, skipped_status
 
     settings = _settings()
     client = _redis(settings)

@@ -34,7 +34,7 @@ import redis
 from . import keys
 from .brokers.base import DEAD_LETTER_REASON
 from .lua import scripts
-from .status import moment, unreadable
+from .records import moment, unreadable
 
 _SCRIPTS = scripts(__file__)
 

@@ -11,7 +11,7 @@ from typing import ParamSpec, TypeVar
 
 from dramatiq import cli
 from dramatiq.errors import ConnectionClosed
-from dramatiq.middleware import MiddlewareError
+from dramatiq.middleware import MiddlewareError, SkipMessage
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -19,6 +19,15 @@ R = TypeVar("R")
 
 class GPError(Exception):
     """Base class of every error dramatiq_gp raises on purpose."""
+
+
+class AlreadyApplied(GPError, SkipMessage):
+    """The message's id is in the inbox: its effect committed already, so the ``with`` body did not run.
+
+    The kit's listeners and jobs end such a message as done (it is acked and not
+    retried); in a plain Dramatiq actor it is Dramatiq's ``SkipMessage``, which
+    acks it too. Code after the ``with`` block does not run either.
+    """
 
 
 class ConfigError(GPError, ValueError):

@@ -19,24 +19,14 @@ from contextvars import ContextVar
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, overload
 
-from dramatiq.middleware import CurrentMessage, SkipMessage
+from dramatiq.middleware import CurrentMessage
 
-from .errors import GPError
 from .names import fan_out_id, job_name, tick_message_id
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
     from sqlalchemy.orm import Session, sessionmaker
-
-
-class AlreadyApplied(GPError, SkipMessage):
-    """The message's id is in the inbox: its effect committed already, so the ``with`` body did not run.
-
-    The kit's listeners and jobs end such a message as done (it is acked and not
-    retried); in a plain Dramatiq actor it is Dramatiq's ``SkipMessage``, which
-    acks it too. Code after the ``with`` block does not run either.
-    """
 
 
 #: The message the current thread runs: (task type, envelope id, scheduled tick), set by listeners and jobs.

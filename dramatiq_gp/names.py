@@ -33,6 +33,14 @@ TICK_NAMESPACE = uuid.UUID("0f0c1a52-9e8a-5b0e-8d4f-6f2b4c3e9a77")
 
 JOB = "job:"
 
+#: The queue of the ``event:<event>`` fan-out messages.
+EVENT_QUEUE = "default"
+
+
+def is_delay_queue(queue_name: str) -> bool:
+    """Whether ``queue_name`` is a delay queue (Dramatiq's ``<queue>.DQ``), where messages wait for their ``eta``."""
+    return queue_name.endswith(".DQ")
+
 
 def listener_actor(event: str, listener: str) -> str:
     return f"listener:{event}:{listener}"

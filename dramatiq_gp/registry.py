@@ -36,17 +36,14 @@ from typing import Any, TypeVar
 from dramatiq import Actor, Broker, Message
 
 from .aio import is_async, require_event_loop
-from .errors import RegistrationError, one_line_at_start_up
+from .errors import AlreadyApplied, RegistrationError, one_line_at_start_up
 from .events import EventType, event_type
-from .exactly_once import AlreadyApplied, done_running, running_listener
-from .names import NAME, event_actor, fan_out_id, listener_actor
+from .exactly_once import done_running, running_listener
+from .names import EVENT_QUEUE, NAME, event_actor, fan_out_id, listener_actor
 from .settings import QUEUE_NAME
 from .subscriptions import Subscriptions
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: The queue of the ``event:<event>`` fan-out messages.
-EVENT_QUEUE = "default"
 
 
 @dataclass(frozen=True)

@@ -7,80 +7,13 @@ command needs no application code.
 
 from __future__ import annotations
 
-import json
-import operator
-import reprlib
-from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import redis
 
 from . import keys
-from .scheduler.cron import CronError, parse
-
-#: How many next fires each entry shows.
-NEXT_FIRES = 3
-
-
-def text(value: Any) -> str:
-    """A Redis reply as text."""
-    # Bytes no worker wrote (not UTF-8) show escaped, rather than fail the report.
-    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
-
-
-#: How every mark of :func:`unreadable` starts.
-MARK = "(unreadable: "
-
-
-def unreadable(reason: str) -> str:
-    """What shows in place of a record or field that cannot be read, so that the rest around it still shows."""
-    return f"{MARK}{reason})"
-
-
-def json_object(raw: bytes | str) -> dict[str, Any] | str:
-    """The JSON object a worker wrote, or the mark in its place (written by hand, by another version)."""
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
-        return unreadable("not JSON")
-    return value if isinstance(value, dict) else unreadable("not a JSON object")
-
-
-def moment(ms: Any, label: str) -> int | str:
-    """``ms``, a time in ms since the epoch, as a whole number; its mark when it is no time a page can show
-    (``'abc'``, ``inf``, past the year 9999)."""
-    try:
-        datetime.fromtimestamp(int(ms) / 1000, UTC)
-    except (TypeError, ValueError, OverflowError, OSError):
-        return unreadable(f"{label}={reprlib.repr(ms)}")
-    return int(ms)
-
-
-def _read(value: Any, label: str, read: Callable[[Any], Any]) -> Any:
-    """``value`` as ``read`` reads it, or the mark in its place: of another type (written by hand, by another
-    version)."""
-    try:
-        return read(value)
-    except (TypeError, ValueError, OverflowError):
-        return unreadable(f"{label}={reprlib.repr(value)}")
-
-
-def _field(record: dict[str, Any], name: str, read: Callable[[Any], Any]) -> Any:
-    """``record[name]`` as ``read`` reads it, or the mark in its place: missing, or of another type."""
-    return _read(record[name], name, read) if name in record else unreadable(f"no {name}")
-
-
-def _string(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(value)
-    return value
-
-
-def _seconds(value: Any) -> Any:
-    timedelta(seconds=value)  # what the page makes of it: raises for a string, inf, NaN, 1e300
-    return value
+from .records import readable, text, unreadable
 
 
 def _name(value: bytes | str) -> str:
@@ -91,99 +24,6 @@ def _name(value: bytes | str) -> str:
 def recorded_queues(client: redis.Redis, namespace: str) -> list[str]:
     """The queues the workers recorded (``<ns>:gp:queues``), sorted, as :func:`queue_counts` takes them."""
     return sorted(_name(name) for name in client.smembers(keys.declared_queues(namespace)))
-
-
-def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: datetime | None = None) -> dict[str, Any]:
-    """The leader (host, pid, epoch, lease expiry) and each published entry's next and last fire.
-
-    What cannot be read (written by hand, by another version) is marked in its place, and the rest still shows.
-    """
-    now = now or datetime.now(UTC)
-    info = {text(k): text(v) for k, v in client.hgetall(scheduler.leader).items()}
-    ttl_ms = client.pttl(scheduler.lease)
-    leader = None
-    if info and ttl_ms > 0:
-        leader = {
-            "host": _field(info, "host", str),
-            "pid": _field(info, "pid", int),
-            "epoch": _field(info, "epoch", int),
-            "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat(),
-        }
-    last = {text(k): moment(text(v), "last_fired") for k, v in client.hgetall(scheduler.last_fired).items()}
-    published = {text(k): v for k, v in client.hgetall(scheduler.upcoming).items()}
-    paused = {text(k): _paused(v) for k, v in client.hgetall(scheduler.paused).items()}
-    entries = []
-    for name, trigger_zone in sorted((text(k), text(v)) for k, v in client.hgetall(scheduler.entries).items()):
-        trigger, _, zone = trigger_zone.rpartition("|")
-        last_ms = last.get(name)
-        try:
-            where = ZoneInfo(zone)
-        except (ZoneInfoNotFoundError, ValueError):
-            # Published by a worker whose tz database knows it (another namespace, another image): the
-            # entry still shows, in UTC, and says so.
-            where, zone = ZoneInfo("UTC"), f"{zone} (unknown here: times in UTC)"
-        fires = _next_fires(trigger, where, published.get(name), now, NEXT_FIRES)
-        # Every time of an entry in its own zone; the last fired is None until it first fires.
-        entries.append(
-            {
-                "name": name,
-                "trigger": trigger,
-                "zone": zone,
-                "next_fire": fires[0] if fires else None,
-                "next_fires": fires,
-                "last_fired": datetime.fromtimestamp(last_ms / 1000, where).isoformat()
-                if isinstance(last_ms, int)
-                else last_ms,
-                "paused": paused.get(name),
-            }
-        )
-    catchup = client.get(scheduler.catchup)
-    return {
-        "namespace": scheduler.namespace,
-        "leader": leader,
-        "entries": entries,
-        "catchup": _catchup(catchup) if catchup is not None else None,
-    }
-
-
-def _paused(raw: bytes | str) -> dict[str, Any] | str:
-    """Who paused an entry and when; the mark of what cannot be read of it (the entry is paused all the same:
-    the leader asks whether it is in the hash, not what it holds)."""
-    recorded = json_object(raw)
-    if isinstance(recorded, str):
-        return recorded
-    return {"by": _field(recorded, "by", _string), "at": _field(recorded, "at", _string)}
-
-
-def _catchup(raw: bytes | str) -> dict[str, Any] | str:
-    """The catch-up policy the workers published, each field of another type marked."""
-    recorded = json_object(raw)
-    if isinstance(recorded, str):
-        return recorded
-    catchup = {
-        "policy": _field(recorded, "policy", _string),
-        "grace_s": _field(recorded, "grace_s", _seconds),
-        "max": _field(recorded, "max", operator.index),
-    }
-    if "misfire_threshold_s" in recorded:  # workers before SCHEDULER_MISFIRE_THRESHOLD did not write it
-        catchup["misfire_threshold_s"] = _field(recorded, "misfire_threshold_s", _seconds)
-    return catchup
-
-
-def _next_fires(trigger: str, zone: ZoneInfo, published: bytes | str | None, now: datetime, count: int) -> list[str]:
-    """A cron string's next fires, computed here; another trigger's, as the workers published them (or their mark)."""
-    try:
-        spec = parse(trigger)
-    except CronError:
-        try:
-            times = [datetime.fromisoformat(at) for at in json.loads(published or "[]")]
-            return [at.astimezone(zone).isoformat() for at in times if at > now][:count]
-        except (ValueError, TypeError, OverflowError, RecursionError):
-            return [unreadable(f"upcoming={reprlib.repr(text(published))}")]
-    fires = [spec.next_after(now, zone)]
-    while len(fires) < count:
-        fires.append(spec.next_after(fires[-1], zone))
-    return [at.astimezone(zone).isoformat() for at in fires]
 
 
 def queue_status(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
@@ -325,7 +165,7 @@ def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int | str]:
     skipped = {}
     for task_type, count in client.hgetall(keys.skipped(namespace)).items():
         name = _name(task_type)
-        skipped[_garbled(name) or name] = _read(text(count), "count", int)
+        skipped[_garbled(name) or name] = readable(text(count), "count", int)
     return dict(sorted(skipped.items()))
 
 

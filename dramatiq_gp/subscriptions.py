@@ -38,17 +38,36 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
 from . import keys
 from .lua import scripts
+from .records import text
 
 if TYPE_CHECKING:
-    from .registry import Listener
+    from .events import EventType
+
+
+class Listener(Protocol):
+    """What a worker declares of a listener (:class:`dramatiq_gp.registry.Listener` is one)."""
+
+    @property
+    def event(self) -> EventType: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def queue(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def options(self) -> Mapping[str, Any]: ...
+    @property
+    def actor_name(self) -> str: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -135,13 +154,13 @@ class Subscriptions:
                 by_event: dict[str, list[tuple[str, str]]] = {}
                 for task_type, data in specs.items():
                     declared = json.loads(data)
-                    by_event.setdefault(declared["event"], []).append((_text(task_type), declared["queue"]))
+                    by_event.setdefault(declared["event"], []).append((text(task_type), declared["queue"]))
                 retired_by_event: dict[str, list[tuple[str, str, int]]] = {}
                 for task_type, data in retired.items():
-                    at, _, spec_json = _text(data).partition(" ")
+                    at, _, spec_json = text(data).partition(" ")
                     declared = json.loads(spec_json)
                     retired_by_event.setdefault(declared["event"], []).append(
-                        (_text(task_type), declared["queue"], int(at))
+                        (text(task_type), declared["queue"], int(at))
                     )
                 self._by_event = {event: tuple(sorted(pairs)) for event, pairs in by_event.items()}
                 self._retired = {event: tuple(sorted(found)) for event, found in retired_by_event.items()}
@@ -195,7 +214,3 @@ class Subscriptions:
 
 def _jsonable(options: Any) -> Any:
     return json.loads(json.dumps(options, default=lambda value: getattr(value, "__name__", repr(value))))
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -32,10 +32,9 @@ import dramatiq_gp as gp
 from dramatiq_gp import keys
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
 from dramatiq_gp.cli import main as cli_main
-from dramatiq_gp.names import tick_message_id
+from dramatiq_gp.names import EVENT_QUEUE, tick_message_id
 from dramatiq_gp.outbox import OUTBOX_EVENTS
 from dramatiq_gp.outbox.relay import Relay
-from dramatiq_gp.registry import EVENT_QUEUE
 from dramatiq_gp.settings import OutboxSettings, SchedulerSettings
 from dramatiq_gp.status import rabbitmq_queue_status
 from helpers import RABBITMQ_URL as URL

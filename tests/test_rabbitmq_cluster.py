@@ -29,7 +29,7 @@ import dramatiq_gp as gp
 from apps.app_events import Numbered
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
 from dramatiq_gp.cli import main as cli_main
-from dramatiq_gp.registry import EVENT_QUEUE
+from dramatiq_gp.names import EVENT_QUEUE
 from helpers import wait_for
 from servers import RabbitmqCluster, skip_without_rabbitmq
 

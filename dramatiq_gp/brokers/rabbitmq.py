@@ -95,6 +95,7 @@ from dramatiq.errors import ConnectionClosed, DecodeError
 from .. import keys
 from ..errors import BrokerUnreachable, ConfigError, ConfirmTimeout, QuorumLost
 from ..lua import scripts
+from ..names import is_delay_queue
 from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, settlement
 from .publisher import CONFIRM_TIMEOUT_S, BatchPublisher, NoReply, NotConfirmed
 from .settler import Settler
@@ -352,7 +353,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                     pipe.hincrby(throughput, field, n)
                 if counts:
                     pipe.pexpire(throughput, 7_200_000)
-                consumed = {c.queue_name for c in list(self._consumers) if not c.queue_name.endswith(".DQ")}
+                consumed = {c.queue_name for c in list(self._consumers) if not is_delay_queue(c.queue_name)}
                 if consumed:  # again: a Redis/Valkey that lost its data would list none until a restart
                     pipe.sadd(keys.declared_queues(self.namespace), *consumed)
                 held_key = keys.held(self.namespace, self.broker_id)
@@ -582,7 +583,7 @@ class _Consumer(_RabbitmqConsumer):
         super().__init__(*args)  # type: ignore[no-untyped-call]
         self._ready: deque[Any] = deque()
         self.broker._consumers.add(self)
-        if not self.queue_name.endswith(".DQ"):
+        if not is_delay_queue(self.queue_name):
             self.broker.register_consumer(self.queue_name)
 
     def __next__(self) -> Any:
@@ -640,7 +641,7 @@ class _Consumer(_RabbitmqConsumer):
         message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, decoded)  # type: ignore[no-untyped-call]
         self.known_tags.add(method.delivery_tag)
         message._consumer = self
-        if not self.queue_name.endswith(".DQ") and message.actor_name not in self.broker.actors:
+        if not is_delay_queue(self.queue_name) and message.actor_name not in self.broker.actors:
             # Delayed messages are only parked in the consumer; they are checked when they come due.
             self.broker.hold_or_skip_unknown(self, message)
             return None

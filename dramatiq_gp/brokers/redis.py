@@ -90,6 +90,7 @@ from dramatiq.worker import ConsumerThread
 
 from .. import keys
 from ..lua import scripts
+from ..names import is_delay_queue
 from .base import (
     DEAD_LETTER_REASON,
     KitBroker,
@@ -410,7 +411,7 @@ class _Consumer(_RedisConsumer):
         self._woken = False
         self._maintain_every_s = self.broker.heartbeat_timeout / 4000
         self._maintain_at = 0.0  # the first fetch maintains: a crashed predecessor's messages come back now
-        if self.queue_name.endswith(".DQ"):
+        if is_delay_queue(self.queue_name):
             self._return_dropped_delayed()
         else:
             self.broker.register_consumer(self.queue_name)
@@ -490,7 +491,7 @@ class _Consumer(_RedisConsumer):
 
     def _accept(self, batch: list[tuple[str, bytes | None]]) -> list[MessageProxy]:
         """The messages of ``batch`` for the worker threads; the others are set aside or held here."""
-        delayed = self.queue_name.endswith(".DQ")
+        delayed = is_delay_queue(self.queue_name)
         accepted = []
         for redis_id, data in batch:
             if data is None:  # Dramatiq #266

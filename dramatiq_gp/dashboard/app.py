@@ -27,8 +27,8 @@ from starlette.templating import Jinja2Templates
 
 from .. import actions
 from ..durations import format_duration
+from ..records import MARK
 from ..settings import QUEUE_NAME, Settings
-from ..status import MARK
 from .access import (
     CSRF_FIELD,
     AllowedHosts,

@@ -16,18 +16,10 @@ from typing import Any
 import redis
 
 from .. import deadletters, keys
+from ..records import json_object, moment, text, unreadable
+from ..scheduler.status import scheduler_status
 from ..settings import Settings
-from ..status import (
-    json_object,
-    moment,
-    outbox_status,
-    queue_counts,
-    rabbitmq_queue_status,
-    recorded_queues,
-    scheduler_status,
-    text,
-    unreadable,
-)
+from ..status import outbox_status, queue_counts, rabbitmq_queue_status, recorded_queues
 
 #: Minutes of throughput the overview shows.
 MINUTES = 15

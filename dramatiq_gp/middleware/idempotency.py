@@ -44,6 +44,7 @@ from .. import keys
 from ..brokers.base import KitBroker, Settlement, attach_settlement, kit_broker, settlement
 from ..errors import one_line_at_start_up
 from ..lua import scripts
+from ..names import is_delay_queue
 
 _SCRIPTS = scripts(__file__)
 _CLAIMED, _DONE, _RUNNING = 1, 2, 3
@@ -98,7 +99,7 @@ class IdempotentExecution(Middleware):
 
     def after_fetch(self, broker: KitBroker, queue_name: str, messages: Sequence[MessageProxy]) -> None:
         """Claim the ids of the idempotent ones among ``messages`` in one round trip."""
-        if queue_name.endswith(".DQ"):
+        if is_delay_queue(queue_name):
             return  # delayed messages are only parked in the consumer; they are claimed when due
         wanted = [m for m in messages if self._applies(broker, m)]
         if not wanted:

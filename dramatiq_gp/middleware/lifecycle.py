@@ -48,6 +48,7 @@ from ..aio import CANCEL_WAIT_S, cancel_coroutines
 from ..brokers.base import KitBroker
 from ..durations import format_duration
 from ..errors import BrokerUnreachable
+from ..names import is_delay_queue
 from ..telemetry import Telemetry
 
 Closer = Callable[[], object]
@@ -218,7 +219,7 @@ class Lifecycle(Middleware):
         worker.stop = stop_with_our_timeout  # type: ignore[method-assign]
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        consumed = sorted(q for q in worker.consumers if not q.endswith(".DQ"))
+        consumed = sorted(q for q in worker.consumers if not is_delay_queue(q))
         self.logger.info(
             "start-up: consumers started on %s with %d threads",
             ", ".join(consumed) or "no queues",

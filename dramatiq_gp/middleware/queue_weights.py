@@ -38,6 +38,7 @@ from dramatiq.common import q_name
 
 from ..brokers.base import KitBroker, kit_broker
 from ..errors import one_line_at_start_up
+from ..names import is_delay_queue
 
 #: Prefetch per queue is this many messages per worker thread, times the queue's share (on
 #: the kit's brokers, their ``prefetch_per_thread``).
@@ -98,7 +99,7 @@ class WeightedQueue(queue.Queue[Any]):
 
     def fetched(self, queue_name: str, count: int) -> None:
         """A consumer's fetch of ``queue_name`` returned ``count`` messages."""
-        if queue_name.endswith(".DQ"):
+        if is_delay_queue(queue_name):
             return  # delayed messages are not ready; they join their queue when due
         name = queue_name
         with self.mutex:
@@ -162,7 +163,7 @@ class QueueWeights(Middleware):
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         if self.strict:
             kit_broker(broker, self)
-        consumed = {q for q in broker.get_declared_queues() if not q.endswith(".DQ")}
+        consumed = {q for q in broker.get_declared_queues() if not is_delay_queue(q)}
         if worker.consumer_whitelist:  # dramatiq --queues still decides what this process consumes
             consumed &= set(worker.consumer_whitelist)
         unlisted = sorted(consumed - set(self.weights))
@@ -188,7 +189,7 @@ class QueueWeights(Middleware):
 
     def after_consumer_thread_boot(self, broker: Broker, thread: Any) -> None:
         name = thread.queue_name
-        if name.endswith(".DQ") or name not in self.weights:
+        if is_delay_queue(name) or name not in self.weights:
             return
         thread.prefetch = self.prefetch(name)
 

@@ -43,8 +43,8 @@ from ..names import job_name
 from ..scheduler.cron import DESCRIPTORS
 from ..scheduler.schedule import Entry
 from ..scheduler.triggers import crontab_of, interval_of
+from ..tracecontext import DELIVERY
 from .retries import expected_failure
-from .tracing import DELIVERY
 
 _STATE = "_gp_sentry"
 _SLUG = re.compile(r"[^a-z0-9_-]+")

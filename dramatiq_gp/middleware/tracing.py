@@ -27,20 +27,17 @@ is ``messaging.destination.name``.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
 from dramatiq import Broker, Message, Middleware, Retry
 from dramatiq.broker import MessageProxy
-from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import q_name
 from opentelemetry import context, propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-#: Options carrying the W3C context of the span that sent this copy, and of the first send.
-DELIVERY = "gp_trace"
-ORIGIN = "gp_trace_origin"
+from ..tracecontext import DELIVERY, ORIGIN
+
 _STATE = "_gp_span"
 
 
@@ -183,12 +180,10 @@ class Tracing(Middleware):
 
 def messaging_system(broker: Broker) -> str:
     """``broker``'s ``messaging.system``, as the messaging semantic conventions name it."""
-    # Looked up rather than imported: that module needs pika, and a RabbitMQ broker has imported it.
-    rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")
-    if rabbitmq is not None and isinstance(broker, rabbitmq.RabbitmqBroker):
-        return "rabbitmq"
-    if isinstance(broker, RedisBroker):
-        return "redis"
+    # By the Dramatiq module its class comes from, not by importing it: ``dramatiq.brokers.rabbitmq`` needs pika.
+    for cls in type(broker).__mro__:
+        if cls.__module__ in ("dramatiq.brokers.redis", "dramatiq.brokers.rabbitmq"):
+            return cls.__module__.rpartition(".")[2]
     return type(broker).__name__.removesuffix("Broker").lower()
 
 

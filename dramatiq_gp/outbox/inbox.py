@@ -28,8 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..errors import RegistrationError
-from ..exactly_once import AlreadyApplied
+from ..errors import AlreadyApplied, RegistrationError
 from .table import INBOX, INBOX_TABLE_NAME
 
 logger = logging.getLogger("dramatiq_gp.inbox")

@@ -52,10 +52,9 @@ from ..brokers.base import KitBroker
 from ..errors import GPError, PayloadMismatch
 from ..events import event_type_named
 from ..metrics import instruments, observe
-from ..middleware.tracing import ORIGIN
-from ..names import event_actor
-from ..registry import EVENT_QUEUE
+from ..names import EVENT_QUEUE, event_actor
 from ..settings import OutboxSettings, WorkerSettings, resolve_inbox_retention
+from ..tracecontext import ORIGIN
 from .admin import backlog
 from .inbox import PRUNE_BATCH, prune
 from .table import CHANNEL, INBOX_TABLE_NAME, OUTBOX_EVENTS

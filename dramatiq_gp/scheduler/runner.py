@@ -70,16 +70,18 @@ from .. import keys
 from ..aio import is_async, require_event_loop
 from ..brokers.base import KitBroker
 from ..brokers.redis import RedisBroker
-from ..exactly_once import AlreadyApplied, done_running, running_job
+from ..errors import AlreadyApplied
+from ..exactly_once import done_running, running_job
 from ..lua import scripts
 from ..metrics import instruments, observe
 from ..names import tick_message_id
+from ..records import text
 from ..registry import Registry, idempotent_option, send_all
 from ..settings import SchedulerSettings
-from ..status import scheduler_status
 from .executor import TickExecutor
 from .lease import Lease
 from .schedule import Entry, Schedule
+from .status import scheduler_status
 from .triggers import SpecTrigger, first_at_or_after, following, just_after, upcoming
 
 _SCRIPTS = scripts(__file__)
@@ -288,9 +290,9 @@ class Runner:
         the lease was lost meanwhile."""
         self._publish_unpublished()
         now = datetime.now(UTC)
-        last = {_text(k): int(v) for k, v in self.broker.client.hgetall(self.covered_key).items()}
+        last = {text(k): int(v) for k, v in self.broker.client.hgetall(self.covered_key).items()}
         for name, started in self.broker.client.hgetall(self.keys.started).items():
-            last.setdefault(_text(name), int(started))
+            last.setdefault(text(name), int(started))
         policy, grace = self.settings.catchup, self.settings.catchup_grace
         on_time_from = now - self.settings.misfire_threshold
         for entry in self.schedule:
@@ -457,7 +459,7 @@ class Runner:
             message = Message.decode(data if isinstance(data, bytes) else data.encode())
             self.logger.warning(
                 "schedule runner: publishing %s, claimed but not confirmed by the leader that claimed it",
-                _text(field),
+                text(field),
             )
             self.broker.enqueue(message)
             self.broker.client.hdel(self.keys.unpublished, field)
@@ -485,10 +487,6 @@ def _fan_out_fn(registry: Registry, broker: KitBroker) -> Any:
         send_all(broker, registry.messages_for(firing))
 
     return fan_out
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _job_fn(entry: Entry) -> Any:

@@ -1,0 +1,69 @@
+"""Reading what the workers wrote in Redis, for the operator's tools: a field that cannot be read is marked
+in its place (written by hand, by another version), and the rest around it still shows."""
+
+from __future__ import annotations
+
+import json
+import reprlib
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+
+def text(value: Any) -> str:
+    """A Redis reply as text."""
+    # Bytes no worker wrote (not UTF-8) show escaped, rather than fail the report.
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
+
+
+#: How every mark of :func:`unreadable` starts.
+MARK = "(unreadable: "
+
+
+def unreadable(reason: str) -> str:
+    """What shows in place of a record or field that cannot be read, so that the rest around it still shows."""
+    return f"{MARK}{reason})"
+
+
+def json_object(raw: bytes | str) -> dict[str, Any] | str:
+    """The JSON object a worker wrote, or the mark in its place (written by hand, by another version)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return unreadable("not JSON")
+    return value if isinstance(value, dict) else unreadable("not a JSON object")
+
+
+def moment(ms: Any, label: str) -> int | str:
+    """``ms``, a time in ms since the epoch, as a whole number; its mark when it is no time a page can show
+    (``'abc'``, ``inf``, past the year 9999)."""
+    try:
+        datetime.fromtimestamp(int(ms) / 1000, UTC)
+    except (TypeError, ValueError, OverflowError, OSError):
+        return unreadable(f"{label}={reprlib.repr(ms)}")
+    return int(ms)
+
+
+def readable(value: Any, label: str, read: Callable[[Any], Any]) -> Any:
+    """``value`` as ``read`` reads it, or the mark in its place: of another type (written by hand, by another
+    version)."""
+    try:
+        return read(value)
+    except (TypeError, ValueError, OverflowError):
+        return unreadable(f"{label}={reprlib.repr(value)}")
+
+
+def field(record: dict[str, Any], name: str, read: Callable[[Any], Any]) -> Any:
+    """``record[name]`` as ``read`` reads it, or the mark in its place: missing, or of another type."""
+    return readable(record[name], name, read) if name in record else unreadable(f"no {name}")
+
+
+def string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(value)
+    return value
+
+
+def seconds(value: Any) -> Any:
+    timedelta(seconds=value)  # what the page makes of it: raises for a string, inf, NaN, 1e300
+    return value

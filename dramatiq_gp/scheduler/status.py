@@ -1,0 +1,116 @@
+"""What ``dramatiq-gp status`` and the dashboard show of the scheduler, read from Redis only.
+
+Each worker with a schedule publishes its entries (and APScheduler triggers' next fires),
+so nothing here needs the application's code.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import reprlib
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import redis
+
+from .. import keys
+from ..records import field, json_object, moment, seconds, string, text, unreadable
+from .cron import CronError, parse
+
+#: How many next fires each entry shows.
+NEXT_FIRES = 3
+
+
+def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: datetime | None = None) -> dict[str, Any]:
+    """The leader (host, pid, epoch, lease expiry) and each published entry's next and last fire.
+
+    What cannot be read (written by hand, by another version) is marked in its place, and the rest still shows.
+    """
+    now = now or datetime.now(UTC)
+    info = {text(k): text(v) for k, v in client.hgetall(scheduler.leader).items()}
+    ttl_ms = client.pttl(scheduler.lease)
+    leader = None
+    if info and ttl_ms > 0:
+        leader = {
+            "host": field(info, "host", str),
+            "pid": field(info, "pid", int),
+            "epoch": field(info, "epoch", int),
+            "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat(),
+        }
+    last = {text(k): moment(text(v), "last_fired") for k, v in client.hgetall(scheduler.last_fired).items()}
+    published = {text(k): v for k, v in client.hgetall(scheduler.upcoming).items()}
+    paused = {text(k): _paused(v) for k, v in client.hgetall(scheduler.paused).items()}
+    entries = []
+    for name, trigger_zone in sorted((text(k), text(v)) for k, v in client.hgetall(scheduler.entries).items()):
+        trigger, _, zone = trigger_zone.rpartition("|")
+        last_ms = last.get(name)
+        try:
+            where = ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError):
+            # Published by a worker whose tz database knows it (another namespace, another image): the
+            # entry still shows, in UTC, and says so.
+            where, zone = ZoneInfo("UTC"), f"{zone} (unknown here: times in UTC)"
+        fires = _next_fires(trigger, where, published.get(name), now, NEXT_FIRES)
+        # Every time of an entry in its own zone; the last fired is None until it first fires.
+        entries.append(
+            {
+                "name": name,
+                "trigger": trigger,
+                "zone": zone,
+                "next_fire": fires[0] if fires else None,
+                "next_fires": fires,
+                "last_fired": datetime.fromtimestamp(last_ms / 1000, where).isoformat()
+                if isinstance(last_ms, int)
+                else last_ms,
+                "paused": paused.get(name),
+            }
+        )
+    catchup = client.get(scheduler.catchup)
+    return {
+        "namespace": scheduler.namespace,
+        "leader": leader,
+        "entries": entries,
+        "catchup": _catchup(catchup) if catchup is not None else None,
+    }
+
+
+def _paused(raw: bytes | str) -> dict[str, Any] | str:
+    """Who paused an entry and when; the mark of what cannot be read of it (the entry is paused all the same:
+    the leader asks whether it is in the hash, not what it holds)."""
+    recorded = json_object(raw)
+    if isinstance(recorded, str):
+        return recorded
+    return {"by": field(recorded, "by", string), "at": field(recorded, "at", string)}
+
+
+def _catchup(raw: bytes | str) -> dict[str, Any] | str:
+    """The catch-up policy the workers published, each field of another type marked."""
+    recorded = json_object(raw)
+    if isinstance(recorded, str):
+        return recorded
+    catchup = {
+        "policy": field(recorded, "policy", string),
+        "grace_s": field(recorded, "grace_s", seconds),
+        "max": field(recorded, "max", operator.index),
+    }
+    if "misfire_threshold_s" in recorded:  # workers before SCHEDULER_MISFIRE_THRESHOLD did not write it
+        catchup["misfire_threshold_s"] = field(recorded, "misfire_threshold_s", seconds)
+    return catchup
+
+
+def _next_fires(trigger: str, zone: ZoneInfo, published: bytes | str | None, now: datetime, count: int) -> list[str]:
+    """A cron string's next fires, computed here; another trigger's, as the workers published them (or their mark)."""
+    try:
+        spec = parse(trigger)
+    except CronError:
+        try:
+            times = [datetime.fromisoformat(at) for at in json.loads(published or "[]")]
+            return [at.astimezone(zone).isoformat() for at in times if at > now][:count]
+        except (ValueError, TypeError, OverflowError, RecursionError):
+            return [unreadable(f"upcoming={reprlib.repr(text(published))}")]
+    fires = [spec.next_after(now, zone)]
+    while len(fires) < count:
+        fires.append(spec.next_after(fires[-1], zone))
+    return [at.astimezone(zone).isoformat() for at in fires]
