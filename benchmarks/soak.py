@@ -672,11 +672,12 @@ class Soak:
         if self.rabbitmq is None:
             import redis
 
-            from dramatiq_gp.status import queue_status
+            from dramatiq_gp.brokers.redis_view import RedisQueueView
 
             client = redis.Redis.from_url(self.redis.url)
             try:
-                return queue_status(client, self.namespace)
+                view = RedisQueueView(client, self.namespace)
+                return view.counts(view.names(thorough=True))
             finally:
                 client.close()
         rows = {row["name"]: row for row in self.rabbitmq.queues("messages_ready", "messages_unacknowledged")}

@@ -19,8 +19,9 @@ from typing import Any
 import redis
 from dramatiq import Message
 
-from . import deadletters, keys
+from . import keys
 from .brokers.base import KitBroker
+from .brokers.view import QueueView
 
 #: Events sent per round trip by :func:`backfill_listener`.
 BACKFILL_BATCH = 500
@@ -39,18 +40,16 @@ def _escaped(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def requeue_dead_letters(
-    client: redis.Redis, namespace: str, queue: str, ids: Sequence[str] | None, *, who: str
-) -> int:
+def requeue_dead_letters(queues: QueueView, queue: str, ids: Sequence[str] | None, *, who: str) -> int:
     """Put the dead letters ``ids`` of ``queue`` (all of them when None) back on it; how many moved."""
-    moved = deadletters.requeue(client, namespace, queue, ids)
+    moved = queues.requeue(queue, ids)
     _done("dlq requeue", who, f"{moved} dead letter(s) of queue {queue} requeued")
     return moved
 
 
-def purge_dead_letters(client: redis.Redis, namespace: str, queue: str, *, who: str) -> int:
+def purge_dead_letters(queues: QueueView, queue: str, *, who: str) -> int:
     """Delete every dead letter of ``queue``; how many there were."""
-    purged = deadletters.purge(client, namespace, queue)
+    purged = queues.purge(queue)
     _done("dlq purge", who, f"{purged} dead letter(s) of queue {queue} deleted")
     return purged
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import click
@@ -29,6 +29,9 @@ from .errors import ConfigError
 from .records import text
 from .scheduler.cron import CronError, parse
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .brokers.view import QueueView
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -315,17 +318,9 @@ def _moment(text: str, option: str) -> datetime:
 @contextmanager
 def _sending_broker(settings: Settings, client: redis.Redis) -> Iterator[Any]:
     """A broker that only sends, to where the workers' queues are; closed at the end."""
-    from .brokers.redis import RedisBroker
+    from .brokers.kinds import broker_for
 
-    if settings.rabbitmq.url is not None:
-        from .brokers.rabbitmq import RabbitmqBroker
-
-        urls = settings.rabbitmq.urls()
-        broker: Any = RabbitmqBroker(
-            url=urls if len(urls) > 1 else urls[0], client=client, namespace=settings.redis.namespace, middleware=[]
-        )
-    else:
-        broker = RedisBroker(client=client, namespace=settings.redis.namespace, middleware=[])
+    broker = broker_for(settings, client, middleware=[])
     try:
         yield broker
     finally:
@@ -344,12 +339,16 @@ def _who() -> str:
     return f"{user} (cli)"
 
 
-def _dead_letters() -> tuple[redis.Redis, str, bool]:
-    """The Redis client, the namespace and whether personal data may be shown; refuses RabbitMQ."""
-    settings = _settings()
-    if settings.rabbitmq.url:
-        _fail("dramatiq-gp dlq reads dead letters on Redis; with BROKER_URL they are in RabbitMQ's <queue>.XQ queues")
-    return _redis(settings), settings.redis.namespace, settings.sentry.send_default_pii
+@contextmanager
+def _queues(settings: Settings) -> Iterator[QueueView]:
+    """The view of the queues, closed at the end; its server out of reach ends the command with one line."""
+    from .brokers.kinds import view_for
+
+    view = view_for(settings, _redis(settings))
+    try:
+        yield view
+    except view.unreachable as exc:
+        raise click.ClickException(f"{view.server} unreachable at {view.where()}: {exc!r}") from None
 
 
 @main.group()
@@ -374,22 +373,19 @@ def dlq_list(queue: str | None, offset: int, limit: int, as_json: bool) -> None:
     Example:
       dramatiq-gp dlq list default --limit 20
     """
-    from . import deadletters
-    from .status import queue_status
+    settings = _settings()
+    with _queues(settings) as view:
+        every = view.counts(view.names(thorough=True)) if queue is None else []
+        queues = [queue] if queue is not None else [q["name"] for q in every if q["dead"]]
+        if queue is None and not queues and not as_json:
+            click.echo("no dead letters in any queue")
+        for name in queues:
+            _dlq_list_one(view, name, offset, limit, as_json, settings.sentry.send_default_pii)
 
-    client, namespace, pii = _dead_letters()
-    queues = [queue] if queue is not None else [q["name"] for q in queue_status(client, namespace) if q["dead"]]
-    if queue is None and not queues and not as_json:
-        click.echo("no dead letters in any queue")
-    for name in queues:
-        _dlq_list_one(client, namespace, name, offset, limit, as_json, pii, deadletters)
 
-
-def _dlq_list_one(
-    client: redis.Redis, namespace: str, queue: str, offset: int, limit: int, as_json: bool, pii: bool, deadletters: Any
-) -> None:
-    total = deadletters.count(client, namespace, queue)
-    letters = deadletters.page(client, namespace, queue, offset=offset, limit=limit, pii=pii)
+def _dlq_list_one(view: QueueView, queue: str, offset: int, limit: int, as_json: bool, pii: bool) -> None:
+    total = view.dead_count(queue)
+    letters = view.dead_letters(queue, offset=offset, limit=limit, pii=pii)
     if as_json:
         for letter in letters:
             click.echo(json.dumps(letter.as_dict()))
@@ -419,10 +415,9 @@ def dlq_show(queue: str, dead_letter_id: str) -> None:
     Example:
       dramatiq-gp dlq show default 6f1d2c3b-...
     """
-    from . import deadletters
-
-    client, namespace, pii = _dead_letters()
-    letter = deadletters.get(client, namespace, queue, dead_letter_id, pii=pii)
+    settings = _settings()
+    with _queues(settings) as view:
+        letter = view.dead_letter(queue, dead_letter_id, pii=settings.sentry.send_default_pii)
     if letter is None:
         _fail(f"no dead letter {dead_letter_id} in queue {queue}")
     else:
@@ -444,8 +439,8 @@ def dlq_requeue(queue: str, ids: tuple[str, ...], every: bool) -> None:
 
     if bool(ids) == every:
         _fail("give the dead letter ids to requeue (as `dramatiq-gp dlq list` shows them), or --all")
-    client, namespace, _ = _dead_letters()
-    moved = requeue_dead_letters(client, namespace, queue, None if every else list(ids), who=_who())
+    with _queues(_settings()) as view:
+        moved = requeue_dead_letters(view, queue, None if every else list(ids), who=_who())
     click.echo(f"{moved} dead letter(s) of queue {queue} requeued")
 
 
@@ -463,8 +458,8 @@ def dlq_purge(queue: str, yes: bool) -> None:
 
     if not yes:
         _fail(f"purging deletes every dead letter of queue {queue} for good: add --yes")
-    client, namespace, _ = _dead_letters()
-    purged = purge_dead_letters(client, namespace, queue, who=_who())
+    with _queues(_settings()) as view:
+        purged = purge_dead_letters(view, queue, who=_who())
     click.echo(f"{purged} dead letter(s) of queue {queue} deleted")
 
 
@@ -789,17 +784,6 @@ def dashboard(host: str, port: int, read_only: bool) -> None:
 # -- status ------------------------------------------------------------------------
 
 
-def _rabbitmq_queues(settings: Settings, client: redis.Redis) -> list[dict[str, Any]]:
-    import pika.exceptions
-
-    from .status import rabbitmq_queue_status
-
-    try:
-        return rabbitmq_queue_status(settings.rabbitmq.urls(), client, settings.redis.namespace)
-    except pika.exceptions.AMQPError as exc:
-        raise click.ClickException(f"RabbitMQ unreachable at {settings.rabbitmq.display()}: {exc!r}") from None
-
-
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="one JSON object")
 def status(as_json: bool) -> None:
@@ -812,7 +796,7 @@ def status(as_json: bool) -> None:
       dramatiq-gp status --json
     """
     from .scheduler.status import scheduler_status
-    from .status import outbox_status, queue_status, skipped_status
+    from .status import outbox_status, skipped_status
 
     settings = _settings()
     client = _redis(settings)
@@ -820,10 +804,12 @@ def status(as_json: bool) -> None:
     schedulers = {_scheduler_keys(settings)}
     found = client.scan_iter(keys.ALL_SCHEDULER_ENTRIES, count=1000)
     schedulers |= {keys.SchedulerKeys.from_entries_key(key.decode()) for key in found}
+    with _queues(settings) as view:
+        queues = view.counts(view.names(thorough=True))
     report: dict[str, Any] = {
         "schedulers": [scheduler_status(client, s) for s in sorted(schedulers, key=lambda s: s.namespace)],
         "outbox": None,
-        "queues": _rabbitmq_queues(settings, client) if settings.rabbitmq.url else queue_status(client, namespace),
+        "queues": queues,
         "skipped_task_types": skipped_status(client, namespace),
     }
     if settings.db.configured:

@@ -35,7 +35,7 @@ from dramatiq.middleware import AsyncIO as DramatiqAsyncIO
 from opentelemetry import trace
 
 from .brokers.base import KitBroker
-from .brokers.redis import RedisBroker
+from .brokers.kinds import broker_for
 from .errors import BrokerUnreachable, GPError, one_line_at_start_up
 from .middleware import Lifecycle, OutboxRelay, SchedulerLease, default_middleware
 from .middleware.lifecycle import Closer
@@ -186,19 +186,10 @@ class Kit:
         client = options.pop("client", None) or self.settings.redis.client(
             socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30
         )
-        worker, rabbitmq = self.settings.worker, self.settings.rabbitmq
+        worker = self.settings.worker
         options.setdefault("unknown_task_grace_ms", int(worker.unknown_task_grace.total_seconds() * 1000))
         options.setdefault("settle_window_ms", worker.settle_window.total_seconds() * 1000)
-        if rabbitmq.url is not None:
-            from .brokers.rabbitmq import RabbitmqBroker
-
-            urls = rabbitmq.urls()
-            options.setdefault("queue_type", rabbitmq.queue_type)
-            options.setdefault("confirm_timeout_ms", rabbitmq.confirm_timeout.total_seconds() * 1000)
-            return RabbitmqBroker(
-                url=urls if len(urls) > 1 else urls[0], client=client, middleware=middleware, **options
-            )
-        return RedisBroker(client=client, middleware=middleware, **options)
+        return broker_for(self.settings, client, middleware, **options)
 
 
 def _find(middleware: Sequence[Middleware], kind: type[M]) -> M:

@@ -67,3 +67,17 @@ def string(value: Any) -> str:
 def seconds(value: Any) -> Any:
     timedelta(seconds=value)  # what the page makes of it: raises for a string, inf, NaN, 1e300
     return value
+
+
+def raw_name(value: bytes | str) -> str:
+    """A name as Redis holds it; one not UTF-8 keeps its bytes, as surrogates, to be marked (:func:`garbled`)."""
+    return value.decode(errors="surrogateescape") if isinstance(value, bytes) else value
+
+
+def garbled(name: str) -> str:
+    """The mark of a queue name that is not UTF-8 (see :func:`raw_name`), or ""."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return unreadable(f"name not UTF-8: {name.encode(errors='surrogateescape')!r}")
+    return ""

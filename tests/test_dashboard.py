@@ -34,7 +34,10 @@ from starlette.routing import Mount
 
 import dramatiq_gp as gp
 from devtools.asgi import serving
-from dramatiq_gp import deadletters, keys
+from dramatiq_gp import keys
+from dramatiq_gp.brokers.kinds import view_for
+from dramatiq_gp.brokers.redis_view import RedisQueueView
+from dramatiq_gp.brokers.view import QueueView
 from dramatiq_gp.cli import main as cli_main
 from dramatiq_gp.dashboard import Credentials, create_app
 from helpers import (
@@ -80,6 +83,11 @@ class Browser:
         return match.group(1)
 
 
+def _queues(kit: gp.Kit) -> QueueView:
+    """The view of the kit's queues the dashboard reads, wherever they are."""
+    return view_for(kit.settings, kit.broker.client)
+
+
 def _failing_kit(make_kit: Any, namespace: str, env: dict[str, str] | None = None) -> tuple[gp.Kit, threading.Event]:
     """A Kit with ``work`` (on default) and ``mail`` (on mail), and ``charge``, which fails while ``fail`` is set."""
     fail = threading.Event()
@@ -119,7 +127,7 @@ def test_the_overview_shows_the_queues_workers_throughput_and_failures_without_s
         mail.send()
     declined = charge.send("ada@example.com")
     start_worker(kit)
-    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    wait_for(lambda: RedisQueueView(kit.broker.client, namespace).dead_count("default") == 1)
     kit.broker.join("default")
     kit.broker.join("mail")
     kit.broker.flush_settles()
@@ -165,17 +173,18 @@ def test_a_starting_consumer_drops_the_records_of_workers_gone_for_an_hour(make_
     assert rdb.smembers(keys.declared_queues(namespace)) == {"default"}
 
 
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
 def test_an_action_needs_the_pages_csrf_token_and_a_confirmation_and_is_logged_with_who(
-    make_kit, start_worker, namespace, caplog
+    broker, make_kit, start_worker, namespace, caplog
 ):
     kit, fail = _failing_kit(make_kit, namespace)
     ran: list[str] = []
     kit.broker.add_middleware(_Ran(ran))
     declined = kit.broker.get_actor("charge").send("c1")
     start_worker(kit)
-    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    wait_for(lambda: _queues(kit).dead_count("default") == 1)
     fail.clear()  # the card works now
-    (letter,) = deadletters.page(kit.broker.client, namespace, "default")
+    (letter,) = _queues(kit).dead_letters("default")
 
     with serving(create_app()) as base:
         browser = Browser(base)
@@ -187,7 +196,7 @@ def test_an_action_needs_the_pages_csrf_token_and_a_confirmation_and_is_logged_w
 
         confirm = browser.open("/dead-letters/default/requeue", {"id": letter.id, "csrf": token})
         assert confirm.status == 200 and "Requeue 1 dead letter(s) of queue default?" in confirm.body
-        assert deadletters.count(kit.broker.client, namespace, "default") == 1  # nothing done yet
+        assert _queues(kit).dead_count("default") == 1  # nothing done yet
 
         with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
             done = browser.open("/dead-letters/default/requeue", {"id": letter.id, "csrf": token, "confirmed": "yes"})
@@ -208,13 +217,14 @@ class _Ran(dramatiq.Middleware):
             self.ran.append(message.message_id)
 
 
-def test_purge_after_confirmation_and_the_body_shown_only_with_pii_on(make_kit, start_worker, namespace):
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_purge_after_confirmation_and_the_body_shown_only_with_pii_on(broker, make_kit, start_worker, namespace):
     kit, _ = _failing_kit(make_kit, namespace, env={"SENTRY_SEND_DEFAULT_PII": "true"})
     for customer in ("ada@example.com", "bob@example.com"):
         kit.broker.get_actor("charge").send(customer)
     start_worker(kit)
-    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 2)
-    letter = deadletters.page(kit.broker.client, namespace, "default")[0]
+    wait_for(lambda: _queues(kit).dead_count("default") == 2)
+    letter = _queues(kit).dead_letters("default")[0]
 
     with serving(create_app()) as base:
         browser = Browser(base)
@@ -224,19 +234,19 @@ def test_purge_after_confirmation_and_the_body_shown_only_with_pii_on(make_kit, 
         token = browser.csrf("/dead-letters/default")
         confirm = browser.open("/dead-letters/default/purge", {"csrf": token})
         assert "Purge every dead letter of queue default?" in confirm.body
-        assert deadletters.count(kit.broker.client, namespace, "default") == 2
+        assert _queues(kit).dead_count("default") == 2
         done = browser.open("/dead-letters/default/purge", {"csrf": token, "confirmed": "yes"})
         assert "2 dead letter(s) of queue default deleted" in done.body
-    assert deadletters.count(kit.broker.client, namespace, "default") == 0
+    assert _queues(kit).dead_count("default") == 0
 
 
 def test_read_only_hides_and_refuses_every_action(make_kit, start_worker, namespace, rdb):
     kit, _ = _failing_kit(make_kit, namespace)
     kit.broker.get_actor("charge").send("c1")
     start_worker(kit)
-    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    wait_for(lambda: RedisQueueView(kit.broker.client, namespace).dead_count("default") == 1)
     rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
-    (letter,) = deadletters.page(kit.broker.client, namespace, "default")
+    (letter,) = RedisQueueView(kit.broker.client, namespace).dead_letters("default")
 
     with serving(create_app(read_only=True)) as base:
         browser = Browser(base)
@@ -247,7 +257,7 @@ def test_read_only_hides_and_refuses_every_action(make_kit, start_worker, namesp
         for path in ("/dead-letters/default/requeue", "/dead-letters/default/purge", "/scheduler/nightly/pause"):
             refused = browser.open(path, {"all": "yes", "confirmed": "yes"})
             assert refused.status == 403 and "read-only" in refused.body, path
-    assert deadletters.count(kit.broker.client, namespace, "default") == 1
+    assert RedisQueueView(kit.broker.client, namespace).dead_count("default") == 1
     assert not rdb.hlen(keys.SchedulerKeys(namespace).paused)
 
 
@@ -367,7 +377,7 @@ def test_on_rabbitmq_the_overview_reads_the_queues_from_it_and_the_workers_and_t
         cells = re.findall(r'<td class="n[^"]*">(.*?)</td>', row.group(1), re.S)
         # ready, in flight (what workers hold), delayed, dead, consumers, weight (no worker yet), done per minute
         assert cells == ["7", "0", "0", "0", "0", "—", "0"], cells  # nothing held by a worker
-        assert "On RabbitMQ the dead letters are in each queue" in browser.open("/dead-letters").body
+        assert '/dead-letters/default">default</a>' in browser.open("/dead-letters").body
 
         start_worker(kit)
         ran.set()

@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from devtools.services import free_port
-from dramatiq_gp import deadletters
+from dramatiq_gp.brokers.redis_view import RedisQueueView
 from helpers import own_database, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +178,7 @@ def test_a_dead_letter_requeued_from_the_dashboard_runs(shop, page):
         conn.execute(sa.text("ALTER TABLE shop_sales RENAME TO shop_sales_away"))
     try:
         shop.place_order(101)
-        wait_for(lambda: deadletters.count(shop.client, shop.namespace, "default") == 1, timeout=30)
+        wait_for(lambda: RedisQueueView(shop.client, shop.namespace).dead_count("default") == 1, timeout=30)
     finally:
         with shop.engine.begin() as conn:
             conn.execute(sa.text("ALTER TABLE shop_sales_away RENAME TO shop_sales"))
@@ -197,7 +197,7 @@ def test_a_dead_letter_requeued_from_the_dashboard_runs(shop, page):
     _confirm(page, "Requeue 1 dead letter(s) of queue default?")
     assert "1 dead letter(s) of queue default requeued" in page.locator(".flash").inner_text()
     wait_for(lambda: shop.sale(101), timeout=30)  # it ran, under its message id
-    assert deadletters.count(shop.client, shop.namespace, "default") == 0
+    assert RedisQueueView(shop.client, shop.namespace).dead_count("default") == 0
 
 
 def test_a_set_aside_event_replayed_from_the_dashboard_is_relayed(shop, page):

@@ -1,4 +1,4 @@
-"""Dead letters on Redis (``dramatiq-gp dlq``): listed by page, shown, requeued with their ids, purged."""
+"""Dead letters (``dramatiq-gp dlq``): listed by page, shown, requeued with their ids, purged; on Redis and RabbitMQ."""
 
 from __future__ import annotations
 
@@ -11,14 +11,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import dramatiq
+import pika
 import pytest
 import redis
 from click.testing import CliRunner, Result
+from dramatiq.common import xq_name
 
 import dramatiq_gp as gp
-from dramatiq_gp import deadletters, keys
+from dramatiq_gp import keys
+from dramatiq_gp.brokers import rabbitmq_view
+from dramatiq_gp.brokers.kinds import view_for
+from dramatiq_gp.brokers.redis_view import RedisQueueView
+from dramatiq_gp.brokers.view import QueueView
 from dramatiq_gp.cli import main
-from helpers import BAD_DEAD_LETTERS, bury, stored_dead_letter, wait_for
+from helpers import BAD_DEAD_LETTERS, RABBITMQ_URL, bury, stored_dead_letter, wait_for
 
 
 def run(*args: str) -> Result:
@@ -44,7 +50,8 @@ def _declined(make_kit, start_worker, namespace: str, customer: str) -> Declined
             if exception is None:
                 ran.append(message.message_id)
 
-    kit = make_kit(env={"WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"}, middleware=[Succeeded()])
+    env = {"VALKEY_NAMESPACE": namespace, "WORKER_MIN_BACKOFF": "10ms", "WORKER_MAX_BACKOFF": "20ms"}
+    kit = make_kit(env=env, middleware=[Succeeded()])
 
     @dramatiq.actor(broker=kit.broker, actor_name="charge", max_retries=1)
     def charge(customer: str) -> None:
@@ -53,12 +60,18 @@ def _declined(make_kit, start_worker, namespace: str, customer: str) -> Declined
 
     message = charge.send(customer)
     start_worker(kit)
-    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    wait_for(lambda: _queues(kit).dead_count("default") == 1)
     return Declined(kit, message, fail, ran)
 
 
+def _queues(kit: gp.Kit) -> QueueView:
+    """The view of the kit's queues ``dramatiq-gp dlq`` reads, wherever they are (its settings name its namespace)."""
+    return view_for(kit.settings, kit.broker.client)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
 def test_a_dead_letter_is_listed_with_why_it_died_and_its_arguments_only_with_pii_on(
-    make_kit, start_worker, clean_env, namespace
+    broker, make_kit, start_worker, clean_env, namespace
 ):
     message = _declined(make_kit, start_worker, namespace, "ada@example.com").message
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
@@ -82,16 +95,16 @@ def test_a_dead_letter_is_listed_with_why_it_died_and_its_arguments_only_with_pi
     assert (missing.exit_code, missing.output) == (1, "Error: no dead letter no-such-id in queue default\n")
 
 
-def test_a_requeued_dead_letter_runs_again_with_its_message_id(make_kit, start_worker, clean_env, namespace):
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_a_requeued_dead_letter_runs_again_with_its_message_id(broker, make_kit, start_worker, clean_env, namespace):
     declined = _declined(make_kit, start_worker, namespace, "c1")
     declined.fail.clear()  # the card works now
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
-    client = declined.kit.broker.client
-    (letter,) = deadletters.page(client, namespace, "default")
+    (letter,) = _queues(declined.kit).dead_letters("default")
     done = run("dlq", "requeue", "default", letter.id)
     assert (done.exit_code, done.stdout) == (0, "1 dead letter(s) of queue default requeued\n")
     wait_for(lambda: declined.ran == [declined.message.message_id])
-    assert deadletters.count(client, namespace, "default") == 0
+    assert _queues(declined.kit).dead_count("default") == 0
 
 
 def test_a_dead_letter_is_shown_and_requeued_by_the_message_id_its_producer_got_back(
@@ -104,7 +117,7 @@ def test_a_dead_letter_is_shown_and_requeued_by_the_message_id_its_producer_got_
         dramatiq.Message(queue_name="default", actor_name="gone", args=(1,), kwargs={}, options={})
     )
     start_worker(kit)
-    wait_for(lambda: deadletters.count(kit.broker.client, namespace, "default") == 1)
+    wait_for(lambda: RedisQueueView(kit.broker.client, namespace).dead_count("default") == 1)
     _bury(kit.broker.client, namespace, "default", 3)  # others, for the lookup to pass over
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
 
@@ -118,7 +131,7 @@ def test_a_dead_letter_is_shown_and_requeued_by_the_message_id_its_producer_got_
     assert missing.exit_code == 1 and "no dead letter" in missing.output
     done = run("dlq", "requeue", "default", sent.message_id)
     assert (done.exit_code, done.stdout) == (0, "1 dead letter(s) of queue default requeued\n")
-    assert deadletters.get(kit.broker.client, namespace, "default", sent.message_id) is None
+    assert RedisQueueView(kit.broker.client, namespace).dead_letter("default", sent.message_id) is None
 
 
 def _bury(client: redis.Redis, namespace: str, queue: str, count: int) -> list[str]:
@@ -141,16 +154,18 @@ def _bury(client: redis.Redis, namespace: str, queue: str, count: int) -> list[s
 
 def test_pages_come_most_recent_first_and_requeue_all_keeps_the_order(rdb, namespace, clean_env):
     ids = _bury(rdb, namespace, "default", 2500)
-    first = deadletters.page(rdb, namespace, "default", offset=0, limit=3)
+    first = RedisQueueView(rdb, namespace).dead_letters("default", offset=0, limit=3)
     assert [letter.id for letter in first] == ids[::-1][:3]
-    assert [letter.id for letter in deadletters.page(rdb, namespace, "default", offset=2499, limit=50)] == ids[:1]
+    assert [
+        letter.id for letter in RedisQueueView(rdb, namespace).dead_letters("default", offset=2499, limit=50)
+    ] == ids[:1]
     assert first[0].attempts == 3 and first[0].reason is None
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     done = run("dlq", "requeue", "default", "--all")
     assert done.stdout == "2500 dead letter(s) of queue default requeued\n"
     assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == ids  # the oldest first
     assert rdb.hlen(keys.messages(namespace, "default")) == 2500
-    assert deadletters.count(rdb, namespace, "default") == 0
+    assert RedisQueueView(rdb, namespace).dead_count("default") == 0
 
 
 def test_purge_deletes_them_only_when_told_so(rdb, namespace, clean_env):
@@ -159,7 +174,7 @@ def test_purge_deletes_them_only_when_told_so(rdb, namespace, clean_env):
     refused = run("dlq", "purge", "mail")
     assert refused.exit_code == 1
     assert refused.output == "Error: purging deletes every dead letter of queue mail for good: add --yes\n"
-    assert deadletters.count(rdb, namespace, "mail") == 5
+    assert RedisQueueView(rdb, namespace).dead_count("mail") == 5
     assert run("dlq", "purge", "mail", "--yes").stdout == "5 dead letter(s) of queue mail deleted\n"
     assert not rdb.exists(keys.dead(namespace, "mail"), keys.dead_messages(namespace, "mail"))
 
@@ -168,7 +183,7 @@ def test_purge_deletes_them_only_when_told_so(rdb, namespace, clean_env):
     ("args", "env", "message"),
     [
         (["dlq", "requeue", "default"], {}, "give the dead letter ids to requeue"),
-        (["dlq", "list", "default"], {"BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/%2F"}, "with BROKER_URL"),
+        (["dlq", "list", "default"], {"BROKER_URL": "amqp://guest:guest@127.0.0.1:1/%2F"}, "RabbitMQ unreachable at"),
     ],
 )
 def test_a_dlq_command_it_cannot_carry_out_is_one_line(args, env, message, clean_env):
@@ -234,3 +249,81 @@ def test_a_dead_letter_whose_redis_id_is_not_utf8_is_listed_marked_and_shown_and
     assert json.loads(one.stdout) == letters["m-garbled"]
     assert requeued.stdout == "1 dead letter(s) of queue default requeued\n"
     assert rdb.zrange(keys.dead(namespace, "default"), 0, -1) == ["good"]
+
+
+def _bury_on_rabbitmq(queue: str, bodies: list[bytes]) -> None:
+    """``bodies`` published to ``queue``'s dead-letter queue, as the kit's dead letters are (persistent)."""
+    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        for body in bodies:
+            channel.basic_publish("", xq_name(queue), body, pika.BasicProperties(delivery_mode=2), mandatory=True)
+    finally:
+        connection.close()
+
+
+def _waiting(queue: str) -> list[Any]:
+    """The messages waiting on ``queue``, taken off it (a test's last look)."""
+    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    try:
+        channel, taken = connection.channel(), []
+        while (got := channel.basic_get(queue, auto_ack=True))[0] is not None:
+            taken.append(got)
+        return taken
+    finally:
+        connection.close()
+
+
+def _deliveries(queue: str, message_id: str) -> int:
+    """How often RabbitMQ has delivered the message ``message_id`` of the quorum queue ``queue``."""
+    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    try:
+        channel = connection.channel()
+        while True:
+            method, properties, body = channel.basic_get(queue, auto_ack=False)
+            assert method is not None, f"no {message_id} in {queue}"
+            if dramatiq.Message.decode(body).message_id == message_id:
+                return int(properties.headers["x-delivery-count"])
+    finally:
+        connection.close()  # puts back what it took
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_on_rabbitmq_dead_letters_page_oldest_first_survive_being_looked_at_and_requeue_and_purge(
+    broker, make_kit, clean_env, namespace
+):
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
+    dramatiq.actor(lambda n: None, broker=kit.broker, actor_name="charge", queue_name="letters")
+    kit.broker.declare_queue("letters", ensure=True)  # the queue, its .DQ and its .XQ
+    letters = [
+        dramatiq.Message(
+            queue_name="letters.XQ", actor_name="charge", args=(n,), kwargs={}, options={}, message_id=f"m-{n:02d}"
+        )
+        for n in range(30)
+    ]
+    _bury_on_rabbitmq("letters", [m.encode() for m in letters] + [b"\xff not a message"])
+    view = _queues(kit)
+
+    assert view.dead_count("letters") == 31
+    assert [d.id for d in view.dead_letters("letters", limit=3)] == ["m-00", "m-01", "m-02"]
+    last = view.dead_letters("letters", offset=29, limit=5)
+    assert [d.message_id for d in last] == ["m-29", None]
+    assert last[1].reason == "cannot decode it (set aside as it came)"
+    for _ in range(rabbitmq_view.REFRESH_AT * 3):  # each look is a delivery: past RabbitMQ 4's limit of 20
+        assert view.dead_letter("letters", "m-00") is not None
+    assert _deliveries("letters.XQ", "m-00") < rabbitmq_view.REFRESH_AT  # written anew, its count back at 0
+    assert view.dead_count("letters") == 31 and len(view.dead_letters("letters", limit=100)) == 31
+
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    done = run("dlq", "requeue", "letters", "m-05", "m-07")
+    assert (done.exit_code, done.stdout) == (0, "2 dead letter(s) of queue letters requeued\n"), done.output
+    requeued = [dramatiq.Message.decode(body) for _, _, body in _waiting("letters")]
+    assert [(m.message_id, m.queue_name, m.args) for m in requeued] == [
+        ("m-05", "letters", (5,)),
+        ("m-07", "letters", (7,)),
+    ]
+    assert view.dead_count("letters") == 29 and view.dead_letter("letters", "m-05") is None
+
+    assert run("dlq", "purge", "letters", "--yes").stdout == "29 dead letter(s) of queue letters deleted\n"
+    assert view.dead_count("letters") == 0 and view.dead_letters("letters") == []

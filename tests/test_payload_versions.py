@@ -20,7 +20,7 @@ from dramatiq import Message
 
 import dramatiq_gp as gp
 from apps.replica import Replica
-from dramatiq_gp import deadletters
+from dramatiq_gp.brokers.redis_view import RedisQueueView
 from dramatiq_gp.outbox import OUTBOX_EVENTS
 from helpers import wait_for
 
@@ -104,14 +104,14 @@ def test_an_event_another_version_wrote_is_read_or_set_aside_naming_the_field(wo
 
     # Set aside by the listener: its first attempt fails, and goes to the dead letters with the reason.
     client = kit.broker.client
-    wait_for(lambda: deadletters.count(client, namespace, "compat") == 2, timeout=30)
-    dead = {letter.reason: letter for letter in deadletters.page(client, namespace, "compat")}
+    wait_for(lambda: RedisQueueView(client, namespace).dead_count("compat") == 2, timeout=30)
+    dead = {letter.reason: letter for letter in RedisQueueView(client, namespace).dead_letters("compat")}
     for reason in SET_ASIDE.values():
         (letter,) = [letter for text, letter in dead.items() if reason in (text or "")]
         assert letter.attempts == 1
     # The renamed event: no worker here has its fan-out; held for the grace, then set aside.
-    wait_for(lambda: deadletters.count(client, namespace, "default") == 1, timeout=30)
-    (renamed,) = deadletters.page(client, namespace, "default")
+    wait_for(lambda: RedisQueueView(client, namespace).dead_count("default") == 1, timeout=30)
+    (renamed,) = RedisQueueView(client, namespace).dead_letters("default")
     assert renamed.reason == (
         "no handler for task type 'event:test.compat.renamed_v2' within 1s (WORKER_UNKNOWN_TASK_GRACE)"
     )

@@ -31,12 +31,12 @@ from dramatiq.errors import ConnectionClosed
 import dramatiq_gp as gp
 from dramatiq_gp import keys
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
+from dramatiq_gp.brokers.rabbitmq_view import RabbitmqQueueView
 from dramatiq_gp.cli import main as cli_main
 from dramatiq_gp.names import EVENT_QUEUE, tick_message_id
 from dramatiq_gp.outbox import OUTBOX_EVENTS
 from dramatiq_gp.outbox.relay import Relay
 from dramatiq_gp.settings import OutboxSettings, SchedulerSettings
-from dramatiq_gp.status import rabbitmq_queue_status
 from helpers import RABBITMQ_URL as URL
 from helpers import rabbitmq_unreachable, wait_for
 
@@ -534,7 +534,9 @@ def test_status_counts_the_delayed_messages_and_the_running_ones_a_worker_holds_
     try:
 
         def counted() -> dict[str, Any]:
-            return next(q for q in rabbitmq_queue_status([URL], broker.client, namespace) if q["name"] == queue_name)
+            return next(
+                q for q in RabbitmqQueueView([URL], broker.client, namespace).counts() if q["name"] == queue_name
+            )
 
         wait_for(lambda: (counted()["delayed"], counted()["in_flight"]) == (20, 1), timeout=15)
         assert broker.get_queue_message_counts(queue_name)[:2] == (0, 0)  # what AMQP alone says

@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from .. import actions
+from ..brokers.kinds import view_for
 from ..durations import format_duration
 from ..records import MARK
 from ..settings import QUEUE_NAME, Settings
@@ -108,7 +109,7 @@ class _Dashboard:
                 "read_only": self.read_only,
                 "csrf": csrf_token(request),
                 "flash": unquote(flash or ""),
-                "on_rabbitmq": self.reader.on_rabbitmq,
+                "counts_consumers": self.reader.queue_view.counts_consumers,
                 "refresh": refresh,
                 **context,
             },
@@ -130,13 +131,11 @@ class _Dashboard:
         return self.render(request, "outbox.html", page="outbox", outbox=self.reader.outbox())
 
     def dead_letter_queues(self, request: Request) -> Response:
-        queues = [] if self.reader.on_rabbitmq else self.reader.queues()
+        queues = self.reader.queues()
         return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=queues)
 
     def dead_letters(self, request: Request) -> Response:
         queue = _queue(request)
-        if self.reader.on_rabbitmq:
-            return self.render(request, "dead_letter_queues.html", page="dead_letters", queues=[])
         offset = _whole(request, "offset", 0, 0, MAX_OFFSET)
         total, letters = self.reader.dead_letters(queue, offset)
         return self.render(
@@ -153,7 +152,7 @@ class _Dashboard:
 
     def dead_letter(self, request: Request) -> Response:
         queue, id = _queue(request), request.path_params["id"]
-        letter = None if self.reader.on_rabbitmq else self.reader.dead_letter(queue, id)
+        letter = self.reader.dead_letter(queue, id)
         if letter is None:
             return PlainTextResponse(f"no dead letter {id} in queue {queue}", 404)
         return self.render(
@@ -202,8 +201,7 @@ class _Dashboard:
         what = f"all {queue}'s dead letters" if ids is None else f"{len(ids)} dead letter(s) of queue {queue}"
 
         def perform(form: FormData, by: str) -> str:
-            r = self.reader
-            moved = actions.requeue_dead_letters(r.client, r.namespace, queue, ids, who=by)
+            moved = actions.requeue_dead_letters(self.reader.queue_view, queue, ids, who=by)
             return f"{moved} dead letter(s) of queue {queue} requeued"
 
         return await self.act(
@@ -219,7 +217,7 @@ class _Dashboard:
         queue = _queue(request)
 
         def perform(form: FormData, by: str) -> str:
-            purged = actions.purge_dead_letters(self.reader.client, self.reader.namespace, queue, who=by)
+            purged = actions.purge_dead_letters(self.reader.queue_view, queue, who=by)
             return f"{purged} dead letter(s) of queue {queue} deleted"
 
         return await self.act(
@@ -345,7 +343,8 @@ def create_app(
     if engine is None and settings.db.configured:
         engine = settings.db.engine()
         owned.append(engine.dispose)
-    dashboard = _Dashboard(Reader(settings, client, engine), read_only=read_only)
+    view = view_for(settings, client)
+    dashboard = _Dashboard(Reader(settings, client, engine, view), read_only=read_only)
     display, db_display = settings.redis.display(), settings.db.display() if settings.db.configured else ""
 
     def unreachable(request: Request, exc: Exception) -> Response:
@@ -354,13 +353,11 @@ def create_app(
         if isinstance(exc, sa_exc.SQLAlchemyError):
             reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
             return PlainTextResponse(f"database error at {db_display}: {reason}", 503)
-        return PlainTextResponse(f"RabbitMQ unreachable at {settings.rabbitmq.display()}: {exc!r}", 503)
+        return PlainTextResponse(f"{view.server} unreachable at {view.where()}: {exc!r}", 503)
 
-    errors: dict[Any, Any] = {redis.RedisError: unreachable, sa_exc.SQLAlchemyError: unreachable}
-    if settings.rabbitmq.url:
-        import pika.exceptions
-
-        errors[pika.exceptions.AMQPError] = unreachable
+    errors: dict[Any, Any] = {}
+    for error in (*view.unreachable, redis.RedisError, sa_exc.SQLAlchemyError):
+        errors[error] = unreachable
 
     d = dashboard
     routes = [

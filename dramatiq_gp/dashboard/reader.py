@@ -15,11 +15,13 @@ from typing import Any
 
 import redis
 
-from .. import deadletters, keys
+from .. import keys
+from ..brokers.kinds import view_for
+from ..brokers.view import DeadLetter, QueueView
 from ..records import json_object, moment, text, unreadable
 from ..scheduler.status import scheduler_status
 from ..settings import Settings
-from ..status import outbox_status, queue_counts, rabbitmq_queue_status, recorded_queues
+from ..status import outbox_status
 
 #: Minutes of throughput the overview shows.
 MINUTES = 15
@@ -73,6 +75,12 @@ class Reader:
     settings: Settings
     client: redis.Redis
     engine: Any = None  #: the outbox's database; None when ``DB_*`` is not set
+    #: The queues, wherever the settings put them; default the view :func:`~dramatiq_gp.brokers.kinds.view_for` picks.
+    queue_view: QueueView = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.queue_view is None:
+            self.queue_view = view_for(self.settings, self.client)
 
     @property
     def namespace(self) -> str:
@@ -83,18 +91,12 @@ class Reader:
         return keys.SchedulerKeys(self.settings.scheduler.namespace or self.namespace)
 
     @property
-    def on_rabbitmq(self) -> bool:
-        return bool(self.settings.rabbitmq.url)
-
-    @property
     def pii(self) -> bool:
         return self.settings.sentry.send_default_pii
 
     def queues(self) -> list[dict[str, Any]]:
-        """Per queue: ready, in flight, delayed and dead (on RabbitMQ, what AMQP tells)."""
-        if self.on_rabbitmq:
-            return rabbitmq_queue_status(self.settings.rabbitmq.urls(), self.client, self.namespace)
-        return queue_counts(self.client, self.namespace, recorded_queues(self.client, self.namespace))
+        """Per queue the workers recorded: ready, in flight, delayed and dead (on RabbitMQ, consumers too)."""
+        return self.queue_view.counts()
 
     def throughput(self, now_ms: int) -> dict[str, Any]:
         """Messages settled per minute over the last :data:`MINUTES`: per queue, and in all."""
@@ -156,12 +158,12 @@ class Reader:
             status["failed"] = failed_events(conn, limit=limit)
         return status
 
-    def dead_letters(self, queue: str, offset: int, limit: int = PAGE) -> tuple[int, list[deadletters.DeadLetter]]:
-        letters = deadletters.page(self.client, self.namespace, queue, offset=offset, limit=limit, pii=self.pii)
-        return deadletters.count(self.client, self.namespace, queue), letters
+    def dead_letters(self, queue: str, offset: int, limit: int = PAGE) -> tuple[int, list[DeadLetter]]:
+        letters = self.queue_view.dead_letters(queue, offset=offset, limit=limit, pii=self.pii)
+        return self.queue_view.dead_count(queue), letters
 
-    def dead_letter(self, queue: str, id: str) -> deadletters.DeadLetter | None:
-        return deadletters.get(self.client, self.namespace, queue, id, pii=self.pii)
+    def dead_letter(self, queue: str, id: str) -> DeadLetter | None:
+        return self.queue_view.dead_letter(queue, id, pii=self.pii)
 
     def failures(self, limit: int = 100) -> list[dict[str, Any]]:
         return [_failure(item) for item in self.client.lrange(keys.failures(self.namespace), 0, limit - 1)]

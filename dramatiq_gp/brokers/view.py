@@ -1,0 +1,162 @@
+"""The operator's view of the queues: what ``dramatiq-gp status``, ``dramatiq-gp dlq`` and the dashboard ask.
+
+One :class:`QueueView` per broker kind answers the operator's questions (which
+queues there are, how many messages each holds, and its dead letters: list, show,
+requeue, purge), as Dramatiq's ``Broker`` answers the worker's with
+``get_declared_queues`` and ``join``. The tools ask it and never which broker they
+have: :func:`dramatiq_gp.brokers.kinds.view_for` picks it once, from the settings.
+
+A dead letter is shown with its message id, task type, failed attempts, when it
+died (where the broker keeps that) and why: the reason the kit gave it
+(``gp_dead_letter_reason``: an unknown task type, a malformed message) or the
+exception its last attempt raised (the broker keeps it as that attempt left it,
+with Dramatiq's traceback). Its arguments may hold personal data, so they are shown
+only when asked for with ``pii=True`` (``SENTRY_SEND_DEFAULT_PII``, the rule Sentry
+follows), and ``[Filtered]`` otherwise.
+
+Requeuing puts a dead letter back at the end of its queue as it is, with its message
+id, so idempotent execution still skips it if a copy already completed. It keeps its
+retry count: a message that used up its retries gets one more attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import reprlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..records import unreadable
+from .base import DEAD_LETTER_REASON
+
+FILTERED = "[Filtered]"
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One dead letter, as ``dramatiq-gp dlq`` and the dashboard show it."""
+
+    #: The handle to show or requeue it by: on Redis its Redis message id (its mark when it is not UTF-8),
+    #: on RabbitMQ its message id.
+    id: str
+    queue: str
+    dead_at_ms: int | str  #: when it died, or its mark when that is no time (``inf``) or not kept
+    message_id: str | None  #: None for bytes that never were a message (set aside as undecodable)
+    task_type: str | None
+    attempts: int | str  #: the failed attempts (Dramatiq's ``retries`` as its last attempt left it), or its mark
+    reason: str | None
+    args: Any
+    kwargs: Any
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "queue": self.queue,
+            "dead_at_ms": self.dead_at_ms,
+            "message_id": self.message_id,
+            "task_type": self.task_type,
+            "attempts": self.attempts,
+            "reason": self.reason,
+            "args": self.args,
+            "kwargs": self.kwargs,
+        }
+
+
+class QueueView(ABC):
+    """The queues of one deployment, as an operator sees them; every method reads or changes them now.
+
+    Each method that reads is bounded by what it was asked for, never by how many
+    messages there are, unless its docstring says otherwise.
+    """
+
+    #: The kind of server the queues are on, for the lines the tools print: ``"Redis/Valkey"`` or ``"RabbitMQ"``.
+    server: str
+    #: Whether :meth:`counts` tells how many consumers each queue has (the dashboard shows the column).
+    counts_consumers = False
+    #: The errors that mean the queues' server is out of reach (the tools answer them with one line).
+    unreachable: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+
+    def where(self) -> str:
+        """Where the queues are, safe for logs (passwords hidden)."""
+        return self._where
+
+    @abstractmethod
+    def names(self, *, thorough: bool = False) -> list[str]:
+        """The queues' names, sorted: those the workers recorded; ``thorough`` adds those found by searching
+        the server (slower: ``dramatiq-gp status`` asks it, the dashboard does not)."""
+
+    @abstractmethod
+    def counts(self, names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Per queue of ``names`` (default: :meth:`names`): ``name``, ``ready``, ``in_flight``, ``delayed``,
+        ``dead``; on RabbitMQ also ``consumers`` and ``unknown`` (why its counts cannot be known now)."""
+
+    @abstractmethod
+    def dead_count(self, queue: str) -> int:
+        """How many dead letters ``queue`` has."""
+
+    @abstractmethod
+    def dead_letters(self, queue: str, *, offset: int = 0, limit: int = 50, pii: bool = False) -> list[DeadLetter]:
+        """A page of ``queue``'s dead letters, from ``offset``."""
+
+    @abstractmethod
+    def dead_letter(self, queue: str, id: str, *, pii: bool = False) -> DeadLetter | None:
+        """The dead letter ``id`` of ``queue`` (its handle, or its message id), or None."""
+
+    @abstractmethod
+    def requeue(self, queue: str, ids: Sequence[str] | None = None) -> int:
+        """Move the dead letters ``ids`` (each a handle or a message id; all of the queue's when None) back to
+        ``queue``; how many moved."""
+
+    @abstractmethod
+    def purge(self, queue: str) -> int:
+        """Delete every dead letter of ``queue``; how many there were."""
+
+
+def letter(queue: str, id: str, dead_at_ms: int | str, raw: bytes | str, pii: bool) -> DeadLetter:
+    """A dead letter as stored (an encoded Dramatiq message, or bytes set aside as undecodable), as it shows."""
+    try:
+        message = json.loads(raw)
+        options = message["options"] if isinstance(message.get("options"), dict) else {}
+    except (ValueError, AttributeError, RecursionError):
+        return DeadLetter(
+            id, queue, dead_at_ms, None, None, 0, "cannot decode it (set aside as it came)", FILTERED, FILTERED
+        )
+    reason = options.get(DEAD_LETTER_REASON)
+    if reason is None and isinstance(options.get("traceback"), str):
+        reason = _exception_line(options["traceback"])
+    retries = options.get("retries", 0)
+    # A message whose retries is no whole number was set aside as malformed: it still lists, marked.
+    attempts = retries if type(retries) is int else unreadable(f"retries={reprlib.repr(retries)}")
+    return DeadLetter(
+        id,
+        queue,
+        dead_at_ms,
+        _str(message.get("message_id")),
+        _str(message.get("actor_name")),
+        attempts,
+        reason,
+        message.get("args") if pii else FILTERED,
+        message.get("kwargs") if pii else FILTERED,
+    )
+
+
+def _exception_line(traceback: str) -> str:
+    """The first line of the exception a traceback ends with: ``Type: message``.
+
+    Not the last line: an exception's message can run on (SQLAlchemy's ends with a
+    link, and carries the statement and its parameters in between).
+    """
+    lines = traceback.rstrip().splitlines()
+    if not lines:
+        return unreadable("empty traceback")
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith('  File "')), default=-1)
+    return next((line for line in lines[last_frame + 1 :] if line and not line.startswith(" ")), lines[-1])
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
