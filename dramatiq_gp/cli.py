@@ -367,7 +367,7 @@ def dlq() -> None:
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1000), help="at most this many")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
 def dlq_list(queue: str | None, offset: int, limit: int, as_json: bool) -> None:
-    """List a queue's dead letters (every queue's, without QUEUE): on Redis the most recent first, on RabbitMQ the oldest.
+    """List a queue's dead letters (every queue's, without QUEUE); on RabbitMQ the oldest first, else the newest.
 
     \b
     Example:
