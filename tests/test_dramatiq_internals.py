@@ -602,7 +602,7 @@ def test_a_due_delayed_message_is_enqueued_on_its_queue_then_the_delayed_copy_ac
     assert signals.hooks() == ["after_enqueue", "before_ack", "after_ack"]
 
 
-def test_post_process_message_retries_a_settlement_until_redis_answers_again(connect, own_redis, monkeypatch):
+def test_post_process_message_retries_an_ack_until_redis_answers_again(connect, own_redis, monkeypatch):
     monkeypatch.setattr(dramatiq.worker, "POST_PROCESS_MESSAGE_RETRY_DELAY_SECS", 0.05)
     signals = Signals()
     broker = connect("own", url=own_redis.url, middleware=[signals])
@@ -1161,8 +1161,8 @@ def test_message_proxy_reads_through_to_its_message_and_keeps_its_own_attributes
     assert proxy.options is message.options
     proxy.options["y"] = 2
     assert message.options == {"x": 1, "y": 2}
-    proxy._gp_settlement = "plan"
-    assert proxy._gp_settlement == "plan" and not hasattr(message, "_gp_settlement")
+    proxy._gp_settle_plan = "plan"
+    assert proxy._gp_settle_plan == "plan" and not hasattr(message, "_gp_settle_plan")
     assert proxy.failed is False
     proxy.fail()
     assert proxy.failed is True

@@ -5,10 +5,11 @@ class it extends. Beyond Dramatiq's broker it offers:
 
 * ``client`` and ``namespace``: the Redis/Valkey that keeps the coordination state
   (idempotency claims and done marks; on Redis also the queues themselves);
-* :meth:`~KitBroker.redeliver_later` and :meth:`~KitBroker.settle`: a message's
-  ack, nack or put-back together with what the kit records with it (its
-  :class:`Settlement`: the idempotency outcome and a retry's or deferral's copy),
-  so "acked" always implies "recorded" and a retry is never lost;
+* :meth:`~KitBroker.settle`, :meth:`~KitBroker.settle_soon` and
+  :meth:`~KitBroker.redeliver_later`: a message's ack, nack or put-back together
+  with its :class:`SettlePlan` (the idempotency outcome, a retry's or deferral's
+  copy), so "acked" always implies "recorded" and a retry is never lost; the
+  whole path, thread by thread, is ``docs/life-of-a-message.md``;
 * :meth:`~KitBroker.enqueue_many`, for the outbox relay;
 * the extra middleware hooks of :class:`BrokerHooks`, and ``emit_before`` /
   ``emit_after`` that call only the hooks a middleware overrides.
@@ -45,8 +46,10 @@ logger = logging.getLogger(__name__)
 
 _SCRIPTS = scripts(__file__)
 
-SETTLEMENT_ATTR = "_gp_settlement"
-#: A message to settle: its queue (the consumer's, a delay queue for a delayed message), it, and the command.
+#: The attribute of a message's proxy that holds its :class:`SettlePlan` (read with :func:`plan_of`).
+PLAN_ATTR = "_gp_settle_plan"
+#: One message to settle: its queue (the consumer's, a delay queue for a delayed message), it,
+#: and the command: ``"ack"``, ``"nack"`` or ``"requeue"``.
 Settle = tuple[str, MessageProxy, str]
 
 #: Option on a dead-lettered copy saying why it is there.
@@ -59,8 +62,13 @@ _warned_lock = threading.Lock()
 
 
 @dataclass(slots=True)
-class Settlement:
-    """What to write together with a message's ack, nack or requeue."""
+class SettlePlan:
+    """What a message's settle writes besides its ack, nack or requeue.
+
+    Middleware build it on the consumer and worker threads; the broker writes it
+    when it settles the message (on the settler thread with a settle window), in
+    the same call as the ack on Redis, before the ack on RabbitMQ.
+    """
 
     #: Idempotency key and the token of this attempt's claim ("" if none).
     key: str = ""
@@ -70,18 +78,20 @@ class Settlement:
     retention_ms: int = 0
     #: A copy for the delay queue, already announced (``before_enqueue``), due after
     #: ``delay_ms``: a retry or a deferral (see :meth:`KitBroker.redeliver_later`).
-    redeliver: Message[Any] | None = None
+    copy: Message[Any] | None = None
     delay_ms: int = 0
 
 
-def settlement(message: MessageProxy) -> Settlement | None:
+def plan_of(message: MessageProxy) -> SettlePlan | None:
+    """``message``'s :class:`SettlePlan`, or None: most messages have none."""
     # From the proxy's own attributes: a getattr that misses (most messages have no
     # plan) falls through MessageProxy.__getattr__ to the message and raises twice.
-    return message.__dict__.get(SETTLEMENT_ATTR)
+    return message.__dict__.get(PLAN_ATTR)
 
 
-def attach_settlement(message: MessageProxy, value: Settlement) -> None:
-    setattr(message, SETTLEMENT_ATTR, value)
+def attach_plan(message: MessageProxy, plan: SettlePlan) -> None:
+    """Make ``plan`` the :class:`SettlePlan` of ``message``."""
+    setattr(message, PLAN_ATTR, plan)
 
 
 def decode_cause(error: DecodeError) -> str:
@@ -151,7 +161,7 @@ class KitBroker(Broker):
     #: queue's share: enough that its buffer does not run dry between fetches, which would hand
     #: its turns to a lighter queue.
     prefetch_per_thread = 8
-    #: Collects the settles of ``WORKER_SETTLE_WINDOW`` into one call; None settles each at once.
+    #: Collects the settles of ``WORKER_SETTLE_WINDOW`` into one batch; None settles each at once.
     settler: Settler[Settle] | None = None
 
     #: What this worker process tells the dashboard about itself beyond its host and pid
@@ -312,38 +322,39 @@ class KitBroker(Broker):
     def redeliver_later(self, message: MessageProxy, delay_ms: int, **options: Any) -> None:
         """Send a copy of ``message`` (with ``options``) to its delay queue, due after ``delay_ms``, when settled.
 
-        The copy goes out with the settlement (:meth:`settle`), never without it, so a
-        retry or a deferral cannot be lost. ``before_enqueue`` is emitted now, so a
-        retry's send span is a child of the failed attempt's.
+        The copy rides in the message's :class:`SettlePlan` and goes out when the
+        message is settled (:meth:`settle`), never without it, so a retry or a deferral
+        cannot be lost. ``before_enqueue`` is emitted now, so a retry's send span is a
+        child of the failed attempt's.
         """
         copy = message.copy(
             queue_name=dq_name(q_name(message.queue_name)),
             options={**options, **self._copy_options(), "eta": current_millis() + delay_ms},
         )
         self.emit_before("enqueue", copy, delay_ms)
-        plan = settlement(message)
+        plan = plan_of(message)
         if plan is None:
-            plan = Settlement()
-            attach_settlement(message, plan)
-        plan.redeliver, plan.delay_ms = copy, delay_ms
+            plan = SettlePlan()
+            attach_plan(message, plan)
+        plan.copy, plan.delay_ms = copy, delay_ms
 
     def _copy_options(self) -> dict[str, Any]:
         """Options a copy for the delay queue needs on this broker."""
         return {}
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        """Ack, nack or requeue ``message`` with its :class:`Settlement`, now."""
+        """Ack, nack or requeue ``message`` with its :class:`SettlePlan`, now, on the calling thread."""
         raise NotImplementedError
 
     def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        """:meth:`settle`, in the next batch of the settle window (at once without one)."""
+        """:meth:`settle`, in the settler's next batch (at once without a settle window)."""
         if self.settler is None:
             self.settle(queue_name, message, command)
         else:
             self.settler.add((queue_name, message, command))
 
     def flush_settles(self, *, retry: bool = True) -> bool:
-        """Write the settles still waiting for their window; whether they were written.
+        """Settle now what waits for the settler's window; whether it was written.
 
         Without ``retry``, what did not go through is left to the settler thread, which retries it.
         """

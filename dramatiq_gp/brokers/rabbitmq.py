@@ -37,14 +37,11 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   as the kit's own dead letters (unknown task types) always were.
 * It is a :class:`~dramatiq_gp.brokers.base.KitBroker`: ``client`` is the Redis/Valkey
   beside it for the coordination state (idempotency claims and done marks). A
-  message is settled in this order: a retry's or deferral's copy is published to
-  the delay queue and confirmed, then the idempotency outcome is written to
-  Redis (``rabbitmq/record.lua``), then the message is acked. A crash in between
-  leaves the message unacked, so it comes back: at least once, never lost.
-* Settles are coalesced (``settle_window_ms``, ``WORKER_SETTLE_WINDOW``, as on
-  Redis; see :mod:`~dramatiq_gp.brokers.settler`): the copies of a window are
-  confirmed, its outcomes written in one Redis call, and its acks handed to each
-  consumer's connection at once.
+  message is settled with its :class:`~dramatiq_gp.brokers.base.SettlePlan` in
+  this order: its copy published and confirmed, its idempotency outcome written
+  to Redis (``rabbitmq/record.lua``), then its ack; the settles of one window
+  (``WORKER_SETTLE_WINDOW``) together. ``docs/life-of-a-message.md`` follows a
+  message through it, and says what a ``kill -9`` at each step does.
 * A consumer takes every message pika already holds when one arrives, and hands
   them to the middleware's ``after_fetch`` together (one round trip for their
   idempotency claims).
@@ -96,7 +93,7 @@ from .. import keys
 from ..errors import BrokerUnreachable, ConfigError, ConfirmTimeout, QuorumLost
 from ..lua import scripts
 from ..names import is_delay_queue
-from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, settlement
+from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, plan_of
 from .publisher import CONFIRM_TIMEOUT_S, BatchPublisher, NoReply, NotConfirmed
 from .settler import Settler
 
@@ -185,7 +182,10 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self._consumers: weakref.WeakSet[_Consumer] = weakref.WeakSet()
         if settle_window_ms > 0:
             self.settler = Settler(
-                self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000, retry_on=(ConnectionClosed,)
+                self._write_settles,
+                self._give_up_settles,
+                window_s=settle_window_ms / 1000,
+                retry_on=(ConnectionClosed,),
             )
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
@@ -401,8 +401,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         so collecting it would only add the hand-over to the settler's thread.
         """
         consumer: _Consumer | None = getattr(message, "_consumer", None)
-        if settlement(message) is None and consumer is not None and command == "ack":
-            consumer.settle_on_channel([(message, command)])
+        if plan_of(message) is None and consumer is not None and command == "ack":
+            consumer.ack_on_channel([(message, command)])
         else:
             super().settle_soon(queue_name, message, command)
 
@@ -418,15 +418,15 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             if command == "nack" and self.confirm_delivery and not message.__dict__.get(_DEAD_LETTERED_ATTR):
                 self._publish(message.copy(queue_name=xq_name(q_name(queue_name))))  # raises, as a copy's does
                 setattr(message, _DEAD_LETTERED_ATTR, True)
-            plan = settlement(message)
-            if plan is None or plan.redeliver is None:
+            plan = plan_of(message)
+            if plan is None or plan.copy is None:
                 continue
-            copy = plan.redeliver
+            copy = plan.copy
             if command != "requeue":
                 self._publish(copy)  # raises, keeping the copy for the batch tried again
                 setattr(message, _RETRIED_ATTR, True)
             # Sent, or put back as it was (it runs again itself): the batch tried again sends no copy.
-            plan.redeliver = None
+            plan.copy = None
             if command == "requeue":
                 self.send_failed(copy, None)
             else:
@@ -434,7 +434,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         record_keys: list[str] = []
         record_args: list[Any] = []
         for _, message, _ in batch:
-            plan = settlement(message)
+            plan = plan_of(message)
             if plan is not None and plan.key:
                 record_keys.append(plan.key)
                 record_args += [plan.outcome, plan.token, plan.retention_ms]
@@ -449,18 +449,18 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             if consumer is not None:
                 by_consumer.setdefault(consumer, []).append((message, command))
         for consumer, settles in by_consumer.items():
-            consumer.settle_on_channel(settles)
+            consumer.ack_on_channel(settles)
 
-    def _settle_failed(self, batch: Sequence[Settle], error: BaseException) -> None:
+    def _give_up_settles(self, batch: Sequence[Settle], error: BaseException) -> None:
         """A batch that can never be written: its unsent copies reported, its messages put back to run again."""
         for _, message, _ in batch:
-            plan = settlement(message)
-            if plan is not None and plan.redeliver is not None:
-                self.send_failed(plan.redeliver, error)
+            plan = plan_of(message)
+            if plan is not None and plan.copy is not None:
+                self.send_failed(plan.copy, error)
             consumer: _Consumer | None = getattr(message, "_consumer", None)
             if consumer is not None:
                 with contextlib.suppress(ConnectionClosed):  # its channel is gone, which puts it back
-                    consumer.settle_on_channel([(message, "requeue")])
+                    consumer.ack_on_channel([(message, "requeue")])
 
     def _publish(self, copy: Message[Any]) -> None:
         """Publish an already announced ``copy`` on its queue, confirmed (within ``confirm_timeout_ms``)."""
@@ -688,7 +688,7 @@ class _Consumer(_RabbitmqConsumer):
         but a message claimed as it was fetched would then wait for its claim to lapse.
         """
         for message in messages:
-            if settlement(message) is not None:
+            if plan_of(message) is not None:
                 self.broker.settle(self.queue_name, message, "requeue")
 
     def close(self) -> None:
@@ -697,10 +697,11 @@ class _Consumer(_RabbitmqConsumer):
         self.broker._consumers.discard(self)
         super().close()  # type: ignore[no-untyped-call]
 
-    def settle_on_channel(self, settles: Sequence[tuple[Any, str]]) -> None:
+    def ack_on_channel(self, settles: Sequence[tuple[Any, str]]) -> None:
         """Ack, nack (to the dead-letter queue) or put back (``"requeue"``) messages this consumer delivered.
 
-        They go to the connection's thread in one hand-over.
+        The last step of a settle. They go to the connection's thread, this consumer's
+        thread, in one hand-over (``add_callback_threadsafe``).
         """
         if self.connection.is_closed:
             # Its channel closed with it: RabbitMQ has put the messages back.

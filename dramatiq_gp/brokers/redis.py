@@ -6,14 +6,12 @@ tools see the same queues. On top of it:
 
 * :meth:`RedisBroker.enqueue_many` sends a batch in one round trip (Dramatiq has no
   batch API), all or nothing, every message encoded before any is sent.
-* Settling a message (ack, nack, requeue) also writes, in the same Lua call
-  (``settle.lua``), what the kit has to record with it: the idempotency outcome
-  and, for a retried or deferred message, its delayed copy
-  (:meth:`RedisBroker.redeliver_later`). So "acked" always implies "recorded", and
-  a retry or a deferral can never lose the message.
-* The messages the worker threads finish within a few milliseconds are settled
-  together, in one such call, by a thread of their own (:mod:`.settler`), rather
-  than one round trip per message from each worker thread.
+* Settling a message (ack, nack, requeue) also writes its
+  :class:`~.base.SettlePlan` (the idempotency outcome, a retry's or deferral's
+  copy) in the same Lua call, ``settle.lua``, whose arguments are laid out as
+  :data:`SETTLE_ARGV` says; the messages of one settle window go in one such call,
+  from the settler thread (:mod:`.settler`). ``docs/life-of-a-message.md`` follows
+  a message through it, and says what a ``kill -9`` at each step does.
 * ``emit_before``/``emit_after`` call only the hooks a middleware overrides, with
   Dramatiq's rules for what gets out of them.
 * Each consumer runs Dramatiq's queue maintenance (returning the unacknowledged
@@ -55,7 +53,7 @@ The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
 6. ``ConsumerThread`` dropping its delayed messages on a connection error (and
    ending when its clean-up after any other error raises), its own thread being
    the one that enqueues a due delayed message, and ``post_process_message``
-   retrying a settlement until Redis answers;
+   retrying an ack or nack until Redis answers;
 7. the text of Dramatiq's per-task log lines (replaced by
    :class:`~dramatiq_gp.TaskLog`, or stripped of arguments by the log filter);
 8. the ``dramatiq`` command: ``worker_process`` on the stack while a worker
@@ -63,7 +61,7 @@ The Dramatiq internals the kit relies on (Dramatiq 2.2; each one explained in
    :class:`~dramatiq_gp.Lifecycle`), ``RET_IMPORT``/``RET_CONNECT``, ``after_process_boot`` emitted by it
    alone, the global broker run without ``module:variable``;
 9. the hook semantics: which exceptions ``emit_before``/``emit_after`` let
-   through, skips, the settlement after ``after_process_message``, and
+   through, skips, the ack or nack after ``after_process_message``, and
    ``Retries`` sending the same proxy through ``broker.enqueue``;
 10. ``MessageProxy`` and ``Message.copy``/``decode``, ``q_name``/``dq_name``.
 """
@@ -95,16 +93,39 @@ from .base import (
     DEAD_LETTER_REASON,
     KitBroker,
     Settle,
-    Settlement,
+    SettlePlan,
     decode_cause,
     malformed,
-    settlement,
+    plan_of,
 )
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
 
 _SCRIPTS = scripts(__file__)
+
+#: The arguments of ``redis/settle.lua``, named slot by slot: the one statement of its layout.
+#: The script's header cites this table, and ``tests/test_settle_layout.py`` holds both the
+#: packing (:meth:`RedisBroker._write_settles`) and the script's reads to it.
+#:
+#: KEYS: ``head``; then, in the order the batch first needs them, the ``queue`` keys of each
+#: of its queues (a message names its queue's first key) and the idempotency key of each
+#: message whose plan has one (a message names its key's index, 0 for none).
+#: ARGV: ``head``; ``queue`` once for each of its ``queue_count`` queues; then one entry per
+#: message: ``plain`` for one without a plan (tag ``"a"`` ack, ``"r"`` requeue; the script
+#: also reads an ``"n"`` nack, which the broker never sends plain), ``full`` for a nack or one
+#: with a plan (tag ``"A"``, ``"N"``, ``"R"``). ``data`` is the copy's for an ack, the dead
+#: letter to keep for a nack.
+SETTLE_KEYS: dict[str, tuple[str, ...]] = {
+    "head": ("heartbeats", "throughput"),
+    "queue": ("acks", "msgs", "queue", "xq", "xq_msgs", "dq", "dq_msgs"),
+}
+SETTLE_ARGV: dict[str, tuple[str, ...]] = {
+    "head": ("now", "worker_id", "queue_count"),
+    "queue": ("first_key", "queue_name"),
+    "plain": ("tag", "first_key", "redis_id"),
+    "full": ("tag", "first_key", "redis_id", "key_index", "outcome", "token", "retention_ms", "copy_id", "data"),
+}
 
 
 class RedisBroker(KitBroker, DramatiqRedisBroker):
@@ -128,7 +149,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         self.unknown_task_grace_ms = unknown_task_grace_ms
         self.settler: Settler[Settle] | None = None
         if settle_window_ms > 0:
-            self.settler = Settler(self._write_settles, self._settle_failed, window_s=settle_window_ms / 1000)
+            self.settler = Settler(self._write_settles, self._give_up_settles, window_s=settle_window_ms / 1000)
         self._scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
         self._start_worker_record()
         # Redis ids for batches: unique per broker and call, cheaper than a uuid4 each.
@@ -271,12 +292,12 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         return {"redis_message_id": str(uuid4())}
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`Settlement`, now."""
+        """Ack, nack or requeue ``message`` on ``queue_name`` with its :class:`~.base.SettlePlan`, now."""
         batch = [(queue_name, message, command)]
         try:
             self._write_settles(batch)
         except BaseException as exc:
-            self._settle_failed(batch, exc)
+            self._give_up_settles(batch, exc)
             if isinstance(exc, redis.ConnectionError):
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
             raise
@@ -284,21 +305,22 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
     def _write_settles(self, batch: Sequence[Settle]) -> None:
         """Settle every message of ``batch`` in one Lua call (``settle.lua``), then announce their copies.
 
-        Writing a batch again changes nothing (an id already settled is left
-        alone), so a batch whose reply was lost can be retried.
+        The call's keys and arguments are laid out as :data:`SETTLE_KEYS` and
+        :data:`SETTLE_ARGV` say. Writing a batch again changes nothing (an id
+        already settled is left alone), so a batch whose reply was lost can be retried.
         """
         ns = self.namespace
         now = current_millis()
-        touched = [keys.heartbeats(ns), keys.throughput(ns, now // 60_000)]
+        touched = [keys.heartbeats(ns), keys.throughput(ns, now // 60_000)]  # SETTLE_KEYS["head"]
         first_key: dict[str, int] = {}
-        names: list[Any] = []  # each queue's first key and name, for the throughput counts
-        args: list[Any] = []
+        names: list[Any] = []  # SETTLE_ARGV["queue"] of each queue
+        args: list[Any] = []  # SETTLE_ARGV["plain"] or ["full"] of each message
         for queue_name, message, command in batch:
             q = first_key.get(queue_name)
             if q is None:
                 q = first_key[queue_name] = len(touched) + 1
                 names += [q, q_name(queue_name)]
-                touched += [
+                touched += [  # SETTLE_KEYS["queue"]
                     keys.acks(ns, self.broker_id, queue_name),
                     keys.messages(ns, queue_name),
                     keys.queue(ns, queue_name),
@@ -307,21 +329,21 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                     keys.delay_queue(ns, queue_name),
                     keys.delay_messages(ns, queue_name),
                 ]
-            plan = settlement(message)
+            plan = plan_of(message)
             if plan is None:
-                if command != "nack":
+                if command != "nack":  # SETTLE_ARGV["plain"]
                     args += [command[0], q, message.options["redis_message_id"]]
                     continue
-                plan = Settlement()  # a nack always carries its dead letter's data
+                plan = SettlePlan()  # a nack always carries its dead letter's data
             key_index = 0
             if plan.key:
                 touched.append(plan.key)
                 key_index = len(touched)
-            copy = plan.redeliver
+            copy = plan.copy
             # A dead letter keeps the last attempt's options (its traceback, its retries), not the
             # message as fetched: without them, one that failed at its first attempt says nothing of why.
             data = message.encode() if command == "nack" else (copy.encode() if copy else b"")
-            args += [
+            args += [  # SETTLE_ARGV["full"]
                 command[0].upper(),
                 q,
                 message.options["redis_message_id"],
@@ -332,21 +354,23 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                 copy.options["redis_message_id"] if copy else "",
                 data,
             ]
+        # SETTLE_ARGV["head"], then the queues, then the messages.
         self._scripts["settle"](keys=touched, args=[now, self.broker_id, len(names) // 2, *names, *args])
         for _, message, command in batch:
-            plan = settlement(message)
-            if plan is None or plan.redeliver is None:
+            plan = plan_of(message)
+            if plan is None or plan.copy is None:
                 continue
             if command == "requeue":
-                self.send_failed(plan.redeliver, None)
+                self.send_failed(plan.copy, None)
             else:
-                self.emit_after("enqueue", plan.redeliver, plan.delay_ms)
+                self.emit_after("enqueue", plan.copy, plan.delay_ms)
 
-    def _settle_failed(self, batch: Sequence[Settle], error: BaseException) -> None:
+    def _give_up_settles(self, batch: Sequence[Settle], error: BaseException) -> None:
+        """A batch that can never be written: its copies reported as not sent."""
         for _, message, _ in batch:
-            plan = settlement(message)
-            if plan is not None and plan.redeliver is not None:
-                self.send_failed(plan.redeliver, error)
+            plan = plan_of(message)
+            if plan is not None and plan.copy is not None:
+                self.send_failed(plan.copy, error)
 
     def set_aside_malformed(self, queue_name: str, redis_id: str) -> int:
         """Dead-letter the fetched message stored under ``redis_id``, which cannot be decoded or is malformed.
@@ -485,7 +509,7 @@ class _Consumer(_RedisConsumer):
     def _room(self) -> int:
         return int(self.prefetch - self.outstanding_message_count)
 
-    def _settled(self) -> None:
+    def _wake_if_room(self) -> None:
         if self._room() >= self._refill_at:
             self._freed.set()
 
@@ -535,7 +559,7 @@ class _Consumer(_RedisConsumer):
             self.broker.dead_letter(self.queue_name, message, reason)
         finally:
             self.queued_message_ids.discard(message.message_id)
-            self._settled()
+            self._wake_if_room()
 
     def ack(self, message: MessageProxy) -> None:
         self._post(message, "ack")
@@ -546,7 +570,7 @@ class _Consumer(_RedisConsumer):
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         plain = []
         for message in messages:
-            if settlement(message) is None:
+            if plan_of(message) is None:
                 plain.append(message)
             else:
                 self.broker.settle(self.queue_name, message, "requeue")
@@ -563,7 +587,7 @@ class _Consumer(_RedisConsumer):
             self.broker.settle_soon(self.queue_name, message, command)
         finally:
             self.queued_message_ids.discard(message.message_id)
-            self._settled()
+            self._wake_if_room()
 
     def close(self) -> None:
         """Write the pending settles first: a graceful stop leaves nothing to run again.

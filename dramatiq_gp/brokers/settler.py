@@ -1,30 +1,15 @@
-"""Coalesced settles: the acks of a few milliseconds written in one call.
+"""The settler: the settles of a few milliseconds written in one batch, from a thread of its own.
 
 Dramatiq acks each message with a round trip of its own, from the worker thread
 that ran it: a request, a wait and a reply per message, the largest per-message
-cost left once the middleware is cheap. The :class:`Settler` collects what the
-worker threads settle (acks, nacks, and what goes with them: done-marks, retry
-copies) and writes it in one call per window (``WORKER_SETTLE_WINDOW``, 1 ms by
-default) from a thread of its own. The worker threads no longer wait for Redis, and
-under load one call settles many messages; a longer window saves little more CPU
-(measured: the same at 0.2, 1 and 5 ms) and widens what a ``kill -9`` runs again.
-
-What that changes, and what it does not:
-
-* a worker that dies (``kill -9``, power loss) may lose the settles of its last
-  window: those messages run again after the heartbeat timeout, as a message
-  whose ack was lost always has. Nothing is lost: a retry copy is written in the
-  same call as the ack of the attempt it replaces, so it exists exactly when that
-  ack does;
-* a graceful shutdown writes every pending settle when the consumers close;
-* when Redis does not answer, the settler retries once a second (Dramatiq's
-  worker threads retry an ack the same way), so a settle is never dropped while
-  the worker lives; the worker threads go on meanwhile.
-
-On RabbitMQ (:class:`~dramatiq_gp.brokers.rabbitmq.RabbitmqBroker`) a batch is
-the retry copies published and confirmed, then the outcomes in one Redis round
-trip, then the acks, one hand-over per consumer; a killed worker's unsettled
-messages come back as soon as its connection closes.
+cost left once the middleware is cheap. Here the threads that settle messages (the
+worker threads, mostly) hand each settle (a :data:`~.base.Settle`, its
+:class:`~.base.SettlePlan` on the message) to the :class:`Settler`, whose thread
+(``gp-settler``) writes what came within one window (``WORKER_SETTLE_WINDOW``, 1 ms
+by default) in one batch. A longer window saves
+little more CPU (measured: the same at 0.2, 1 and 5 ms) and widens what a
+``kill -9`` runs again. What a batch is on each broker, and what a kill, a stop or
+an unreachable Redis does to the settles waiting here, is ``docs/life-of-a-message.md``.
 """
 
 from __future__ import annotations

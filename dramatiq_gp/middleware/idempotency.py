@@ -10,9 +10,10 @@ leaders overlapping. This middleware makes them harmless:
   copy (the copy is deferred and looked at again later, so a crashed holder's
   work is not lost); the kit's broker calls :meth:`IdempotentExecution.after_fetch`
   as it fetches, and a message that arrives unclaimed is claimed on its own;
-* the outcome is written with the ack (on Redis in the same Lua call, see
-  :mod:`dramatiq_gp.brokers.redis`; on RabbitMQ to Redis just before it, see
-  :mod:`dramatiq_gp.brokers.rabbitmq`): ``done`` for a success, kept for the retention
+* the outcome rides in the message's settle plan
+  (:class:`~dramatiq_gp.brokers.base.SettlePlan`) and is written with the ack (on
+  Redis in the same Lua call, on RabbitMQ to Redis just before it; see
+  ``docs/life-of-a-message.md``): ``done`` for a success, kept for the retention
   window; the claim is released on failure, so a retry of the same id runs;
 * a thread renews the leases of messages still running, so a long task keeps its
   claim and a dead worker's claim lapses within one lease.
@@ -41,7 +42,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
 from .. import keys
-from ..brokers.base import KitBroker, Settlement, attach_settlement, kit_broker, settlement
+from ..brokers.base import KitBroker, SettlePlan, attach_plan, kit_broker, plan_of
 from ..errors import one_line_at_start_up
 from ..lua import scripts
 from ..names import is_delay_queue
@@ -156,12 +157,12 @@ class IdempotentExecution(Middleware):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
-        plan = settlement(message)
+        plan = plan_of(message)
         if plan is not None and plan.token and exception is None:
             plan.outcome, plan.retention_ms = "done", self.retention_ms
 
     def after_ack(self, broker: Broker, message: MessageProxy) -> None:
-        plan = settlement(message)
+        plan = plan_of(message)
         if plan is not None and plan.key:
             self._running.pop(plan.key, None)
 
@@ -174,7 +175,7 @@ class IdempotentExecution(Middleware):
     def _record(self, message: MessageProxy, key: str, token: str, state: int, pttl: int) -> tuple[int, int]:
         if state == _CLAIMED:
             self._running[key] = token
-            attach_settlement(message, Settlement(key=key, token=token, outcome="release"))
+            attach_plan(message, SettlePlan(key=key, token=token, outcome="release"))
         setattr(message, _STATE_ATTR, (state, int(pttl)))
         return state, int(pttl)
 

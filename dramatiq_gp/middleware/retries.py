@@ -7,10 +7,11 @@ worker then acks the failed attempt as soon as Redis is back: the message is
 gone and its retry never existed. (The soak lost whole orders that way, an
 outbox event's fan-out failing as Redis restarted.)
 
-Here the retry is handed to the kit's broker instead, which sends it with the ack
+Here the retry is handed to the kit's broker instead, which puts it in the message's
+settle plan and sends it with the ack
 (:meth:`dramatiq_gp.brokers.base.KitBroker.redeliver_later`): on Redis in the same
 Lua call, on RabbitMQ published and confirmed before the ack. The failed attempt
-is never acked without its retry sent.
+is never acked without its retry sent (``docs/life-of-a-message.md``).
 
 A :class:`~dramatiq_gp.PayloadMismatch` (an event written by another version of the
 application, which this one's class cannot read) is never retried: no retry can

@@ -1,78 +1,99 @@
--- Settles a batch of fetched messages (ack, nack or requeue), each with what the
--- kit records alongside it: the idempotency outcome and a delayed copy.
+-- Settles a batch of fetched messages (ack, nack or requeue), each with its settle plan:
+-- the idempotency outcome and a delayed copy. docs/life-of-a-message.md says where this
+-- call stands in a message's life.
 --
 -- Each message settled here is counted in this minute's throughput hash, under
 -- "<queue>:done", "<queue>:retried" (acked with a copy to run later) or
 -- "<queue>:dead", for the dashboard.
 --
--- KEYS: heartbeats, this minute's throughput, then seven keys per queue in the
---       batch (acks, msgs, queue, xq, xq msgs, delay queue, delay msgs), then
---       the idempotency keys.
--- ARGV: now, worker id, how many queues, each queue's first key and name, then
---       one entry per message:
---       plain: "a"|"n"|"r", first key of its queue, redis message id
---       full:  "A"|"N"|"R", first key of its queue, redis message id, key index
---              of its idempotency key (0: none), outcome, token, retention ms,
---              copy id ("": none), copy data (for "N": the dead letter to keep)
+-- The layout of KEYS and ARGV is dramatiq_gp.brokers.redis.SETTLE_KEYS and SETTLE_ARGV,
+-- by which RedisBroker._write_settles packs them; tests/test_settle_layout.py holds the
+-- lines below, and the slot each field is read from here, to those tables.
+--
+-- KEYS head:  heartbeats, throughput
+-- KEYS queue: acks, msgs, queue, xq, xq_msgs, dq, dq_msgs
+-- ARGV head:  now, worker_id, queue_count
+-- ARGV queue: first_key, queue_name
+-- ARGV plain: tag, first_key, redis_id
+-- ARGV full:  tag, first_key, redis_id, key_index, outcome, token, retention_ms, copy_id, data
+--
+-- KEYS: the head, then, in the order the batch first needs them, each queue's keys and the
+-- idempotency key of each message whose plan has one. ARGV: the head, then queue_count
+-- queue entries, then one entry per message: plain with the tag "a", "n" or "r", full with
+-- "A", "N" or "R". first_key is the index of the queue's first key, key_index that of the
+-- idempotency key (0: none); data is the copy's (copy_id "": no copy), or for "N" the
+-- dead letter to keep.
+local heartbeats, throughput = KEYS[1], KEYS[2]
 local now = ARGV[1]
-redis.call("zadd", KEYS[1], now, ARGV[2])
+local worker_id = ARGV[2]
+local queue_count = tonumber(ARGV[3])
+redis.call("zadd", heartbeats, now, worker_id)
 local names = {}
-local queues = tonumber(ARGV[3])
-for j = 0, queues - 1 do
-    names[tonumber(ARGV[4 + 2 * j])] = ARGV[5 + 2 * j]
+for j = 0, queue_count - 1 do
+    local first_key = tonumber(ARGV[4 + 2 * j])
+    local queue_name = ARGV[5 + 2 * j]
+    names[first_key] = queue_name
 end
 local counts = {}
 local function count(q, kind)
     local field = names[q] .. kind
     counts[field] = (counts[field] or 0) + 1
 end
-local i = 4 + 2 * queues
+local i = 4 + 2 * queue_count
 while i <= #ARGV do
     local tag = ARGV[i]
+    local first_key = tonumber(ARGV[i + 1])
+    local redis_id = ARGV[i + 2]
     local command = string.lower(tag)
-    local q = tonumber(ARGV[i + 1])
-    local id = ARGV[i + 2]
-    local acks, msgs, queue, xq, xq_msgs, dq, dq_msgs =
-        KEYS[q], KEYS[q + 1], KEYS[q + 2], KEYS[q + 3], KEYS[q + 4], KEYS[q + 5], KEYS[q + 6]
-    local held = redis.call("srem", acks, id) > 0
+    local full = tag ~= command
+    local key_index, outcome, token, retention_ms, copy_id, data
+    if full then
+        key_index = tonumber(ARGV[i + 3])
+        outcome = ARGV[i + 4]
+        token = ARGV[i + 5]
+        retention_ms = ARGV[i + 6]
+        copy_id = ARGV[i + 7]
+        data = ARGV[i + 8]
+    end
+    local acks, msgs, queue, xq, xq_msgs, dq, dq_msgs = KEYS[first_key], KEYS[first_key + 1],
+        KEYS[first_key + 2], KEYS[first_key + 3], KEYS[first_key + 4], KEYS[first_key + 5], KEYS[first_key + 6]
+    local held = redis.call("srem", acks, redis_id) > 0
     if held then
         if command == "a" then
-            redis.call("hdel", msgs, id)
+            redis.call("hdel", msgs, redis_id)
         elseif command == "r" then
-            redis.call("rpush", queue, id)
+            redis.call("rpush", queue, redis_id)
         else
-            local data = redis.call("hget", msgs, id)
+            local kept = redis.call("hget", msgs, redis_id)
             -- A full nack carries the message as its last attempt left it: that is what is kept.
-            if data and tag == "N" then
-                data = ARGV[i + 8]
+            if kept and tag == "N" then
+                kept = data
             end
-            if data then
-                redis.call("zadd", xq, now, id)
-                redis.call("hset", xq_msgs, id, data)
-                redis.call("hdel", msgs, id)
+            if kept then
+                redis.call("zadd", xq, now, redis_id)
+                redis.call("hset", xq_msgs, redis_id, kept)
+                redis.call("hdel", msgs, redis_id)
             end
         end
     end
-    if tag == command then
+    if not full then
         if held and command ~= "r" then
-            count(q, command == "a" and ":done" or ":dead")
+            count(first_key, command == "a" and ":done" or ":dead")
         end
         i = i + 3
     else
-        local key_index, outcome, token, retention = tonumber(ARGV[i + 3]), ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
-        local copy_id, copy_data = ARGV[i + 7], ARGV[i + 8]
         -- A message put back as it was (requeue) runs again itself: no copy.
         if held and copy_id ~= "" and command ~= "r" then
-            redis.call("hset", dq_msgs, copy_id, copy_data)
+            redis.call("hset", dq_msgs, copy_id, data)
             redis.call("rpush", dq, copy_id)
         end
         if held and command ~= "r" then
-            count(q, command == "n" and ":dead" or (copy_id ~= "" and ":retried" or ":done"))
+            count(first_key, command == "n" and ":dead" or (copy_id ~= "" and ":retried" or ":done"))
         end
         if key_index > 0 then
             local key = KEYS[key_index]
             if outcome == "done" then
-                redis.call("set", key, "done", "PX", retention)
+                redis.call("set", key, "done", "PX", retention_ms)
             elseif outcome == "release" and redis.call("get", key) == token then
                 redis.call("del", key)
             end
@@ -82,7 +103,7 @@ while i <= #ARGV do
 end
 if next(counts) then
     for field, n in pairs(counts) do
-        redis.call("hincrby", KEYS[2], field, n)
+        redis.call("hincrby", throughput, field, n)
     end
-    redis.call("pexpire", KEYS[2], 7200000)
+    redis.call("pexpire", throughput, 7200000)
 end
