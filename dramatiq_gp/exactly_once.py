@@ -8,19 +8,22 @@ the two commit or roll back together, and a later copy finds the id and is
 skipped (see :mod:`dramatiq_gp.outbox.inbox` for the transaction itself).
 
 This module is the part the listeners, the jobs and :func:`inbox` share without
-importing SQLAlchemy: which message the calling thread is running, and the skip
-a duplicate raises.
+importing SQLAlchemy: the one wrapper their actors run a handler in
+(:func:`run_handler`, :func:`run_handler_async`), which message the calling thread
+is running, and the skip a duplicate raises.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from contextvars import ContextVar
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 from dramatiq.middleware import CurrentMessage
 
+from .errors import AlreadyApplied
 from .names import fan_out_id, job_name, tick_message_id
 
 if TYPE_CHECKING:
@@ -29,22 +32,75 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
 
-#: The message the current thread runs: (task type, envelope id, scheduled tick), set by listeners and jobs.
-_running: ContextVar[tuple[str, str | None, str | None] | None] = ContextVar("dramatiq_gp_running", default=None)
+class Running(NamedTuple):
+    """The message a listener's or job's actor runs, as what it carries: its ids are computed from it."""
+
+    #: The actor: ``listener:<event>:<name>`` or ``job:<name>``.
+    task_type: str
+    #: A listener's: the envelope it handles.
+    envelope_id: str | None = None
+    #: A job's: the tick it fires for (ISO 8601).
+    scheduled_at: str | None = None
 
 
-def running_listener(task_type: str, envelope_id: str) -> Any:
-    """Mark the current thread as running ``task_type``'s copy of an envelope; returns the token to reset."""
-    return _running.set((task_type, envelope_id, None))
+#: The message the current thread runs, set by listeners and jobs around their handler.
+_running: ContextVar[Running | None] = ContextVar("dramatiq_gp_running", default=None)
 
 
-def running_job(task_type: str, scheduled_at: str) -> Any:
-    """Mark the current thread as running a job's firing for the tick ``scheduled_at`` (ISO 8601)."""
-    return _running.set((task_type, None, scheduled_at))
+def run_handler(running: Running, bind: Any, handler: Callable[..., object], *args: Any) -> None:
+    """Call ``handler(*args)`` as the message ``running``: how a listener's or job's actor runs its handler.
+
+    The thread is marked as running that message meanwhile, so :func:`inbox` inside the
+    handler finds it. With ``bind`` (the ``inbox=`` an Engine or sessionmaker) the
+    handler runs in the message's inbox transaction, given as its last argument. A copy
+    whose effect committed already raises :class:`AlreadyApplied` on entering (logged
+    there): it ends here, and the message is done.
+    """
+    token = _running.set(running)
+    try:
+        if bind is None:
+            handler(*args)
+        else:
+            from .outbox.inbox import transaction
+
+            with transaction(bind, *_message_of(running)) as tx:
+                handler(*args, tx)
+    except AlreadyApplied:
+        pass
+    finally:
+        _running.reset(token)  # the worker thread's next message may be a plain actor's
 
 
-def done_running(token: Any) -> None:
-    _running.reset(token)
+async def run_handler_async(running: Running, bind: Any, handler: Callable[..., Any], *args: Any) -> None:
+    """:func:`run_handler` for an ``async def`` handler, awaited (``bind``: an AsyncEngine or async_sessionmaker).
+
+    The mark is not reset afterwards: Dramatiq runs the actor's coroutine as a task of its
+    own on its event-loop thread, in a copy of the worker thread's context
+    (:mod:`dramatiq_gp.aio`), so what it sets goes with the task and the worker thread's
+    context never sees it.
+    """
+    _running.set(running)
+    try:
+        if bind is None:
+            await handler(*args)
+        else:
+            from .outbox.inbox import transaction_async
+
+            async with transaction_async(bind, *_message_of(running)) as tx:
+                await handler(*args, tx)
+    except AlreadyApplied:
+        pass
+
+
+def _message_of(running: Running) -> tuple[str, str, str | None]:
+    """The message id, task type and envelope id (``None`` for a job) of ``running``, recomputed the
+    way they were made (:func:`~dramatiq_gp.fan_out_id`, the tick's id)."""
+    task_type, envelope_id, scheduled_at = running
+    if envelope_id is not None:
+        return fan_out_id(envelope_id, task_type), task_type, envelope_id
+    assert scheduled_at is not None
+    entry = job_name(task_type) or task_type
+    return tick_message_id(entry, datetime.fromisoformat(scheduled_at)), task_type, None
 
 
 def current_message() -> tuple[str, str, str | None]:
@@ -59,12 +115,7 @@ def current_message() -> tuple[str, str, str | None]:
     """
     running = _running.get()
     if running is not None:
-        task_type, envelope_id, scheduled_at = running
-        if envelope_id is not None:
-            return fan_out_id(envelope_id, task_type), task_type, envelope_id
-        assert scheduled_at is not None
-        entry = job_name(task_type) or task_type
-        return tick_message_id(entry, datetime.fromisoformat(scheduled_at)), task_type, None
+        return _message_of(running)
     message = CurrentMessage.get_current_message()
     if message is not None:
         return message.message_id, message.actor_name, None

@@ -36,9 +36,9 @@ from typing import Any, TypeVar
 from dramatiq import Actor, Broker, Message
 
 from .aio import is_async, require_event_loop
-from .errors import AlreadyApplied, RegistrationError, one_line_at_start_up
+from .errors import RegistrationError, one_line_at_start_up
 from .events import EventType, event_type
-from .exactly_once import done_running, running_listener
+from .exactly_once import Running, run_handler, run_handler_async
 from .names import EVENT_QUEUE, NAME, event_actor, fan_out_id, listener_actor
 from .settings import QUEUE_NAME
 from .subscriptions import Subscriptions
@@ -260,42 +260,20 @@ class Registry:
                 f"known: {', '.join(sorted(broker.actor_options))}"
             )
         decode, handler, actor_name, bind = listener.event.decode, listener.handler, listener.actor_name, listener.inbox
-        if bind is not None:
-            from .outbox.inbox import transaction, transaction_async
 
         def run(envelope: dict[str, Any]) -> None:
-            token, running = _envelope.set(envelope), running_listener(actor_name, envelope["id"])
+            token = _envelope.set(envelope)
             try:
-                event = decode(envelope["data"])
-                if bind is None:
-                    handler(event)
-                else:
-                    with transaction(bind, fan_out_id(envelope["id"], actor_name), actor_name, envelope["id"]) as tx:
-                        handler(event, tx)
-            except AlreadyApplied:
-                pass  # its effect committed already (logged): the message is done
+                run_handler(Running(actor_name, envelope["id"]), bind, handler, decode(envelope["data"]))
             finally:
-                done_running(running)
                 _envelope.reset(token)
-
-        call: Callable[..., Any] = handler
 
         async def run_async(envelope: dict[str, Any]) -> None:
             # Dramatiq runs this on its event-loop thread, in a copy of the worker
             # thread's context (the middleware's span, scope...): what it sets here
             # stays in this message's task.
             _envelope.set(envelope)
-            running_listener(actor_name, envelope["id"])
-            try:
-                event = decode(envelope["data"])
-                if bind is None:
-                    await call(event)
-                else:
-                    message_id = fan_out_id(envelope["id"], actor_name)
-                    async with transaction_async(bind, message_id, actor_name, envelope["id"]) as tx:
-                        await call(event, tx)
-            except AlreadyApplied:
-                pass
+            await run_handler_async(Running(actor_name, envelope["id"]), bind, handler, decode(envelope["data"]))
 
         fn: Callable[..., Any] = run_async if is_async(handler) else run
         if fn is run_async:

@@ -153,6 +153,8 @@ class KitBroker(Broker):
     #: The coordination Redis/Valkey, and the prefix of the kit's keys in it.
     client: redis.Redis
     namespace: str
+    #: Whether the queues are in ``client`` (Redis), so a Lua call there can enqueue; False on RabbitMQ.
+    queues_in_client: bool
     #: This worker process, in Dramatiq's heartbeats and the dashboard's worker records.
     broker_id: str
     #: How long messages for a task type no actor here handles are held (``WORKER_UNKNOWN_TASK_GRACE``).

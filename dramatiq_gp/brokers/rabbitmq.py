@@ -141,6 +141,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     #: with 16 a stall emptied ``default``'s buffer in 1 run of 3 (0.64 to 0.70 of the starts
     #: went to ``default`` instead of 0.75); with 32, in none of 6.
     prefetch_per_thread = 32
+    #: The queues are on RabbitMQ: a claimed tick is kept in Redis until its publish is confirmed.
+    queues_in_client = False
     #: No Dramatiq maintenance runs on RabbitMQ to drop a dead worker's heartbeat: a starting consumer does.
     heartbeat_retention_ms = 3_600_000
 

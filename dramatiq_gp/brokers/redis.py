@@ -142,6 +142,9 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             Redis connection parameters...).
     """
 
+    #: The queues are in ``client``: the scheduler's claim of a tick enqueues it in the same Lua call.
+    queues_in_client = True
+
     def __init__(self, *, unknown_task_grace_ms: int = 300_000, settle_window_ms: float = 1, **options: Any) -> None:
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
         self._hooks_for = 0  # how many middleware the cache was built for

@@ -10,28 +10,30 @@ tick knows its own time.
 
 The leader only enqueues (``job:<name>`` or ``schedule:<event>``); any worker runs
 what it enqueued, under the usual queues and retries. Firing a tick is one Lua
-call (``runner/fire.lua``) that, atomically,
+call (``outlet/claim.lua``, run by the broker's :mod:`~dramatiq_gp.scheduler.outlet`)
+that, atomically,
 
 1. checks the lease still holds this leader's ``<epoch>/<token>`` (an old leader
-   waking from a pause finds another value and fires nothing);
+   waking from a pause finds another value and fires nothing: ``lease_lost``);
 2. claims the tick (``SET NX`` on ``<ns>:scheduler:tick:<entry>:<ms>``) and checks
-   it is after the entry's last fired tick;
+   it is after the entry's last fired tick (else ``deduplicated``);
 3. pushes the message onto its queue, under an id derived from the tick, and
-   records the tick as the entry's last fired.
+   records the tick as the entry's last fired (``fired``).
 
 So no tick is enqueued twice, and none is claimed without being enqueued. An
 entry paused (``dramatiq-gp schedule pause``, ``<ns>:scheduler:paused``) is checked
-in the same call: its tick is recorded as passed over and not enqueued, so it stops
-at its next tick, and resuming it does not catch up the ticks of the pause.
+in the same call: its tick is recorded as passed over and not enqueued (``paused``),
+so it stops at its next tick, and resuming it does not catch up the ticks of the pause.
 
-When the queues are not in that Redis (RabbitMQ), the claim cannot enqueue: the
-same Lua call (``runner/claim.lua``) keeps the tick's message in
+When the queues are not in that Redis (RabbitMQ: the broker's ``queues_in_client``
+is False), the claim cannot enqueue: the same call keeps the tick's message in
 ``<ns>:scheduler:unpublished`` instead, the broker publishes it and waits for the
 confirm, and only then is it removed. A leader publishes what it finds there
 before anything else, at every takeover and after an error reaching either, so a claimed
 tick whose publish failed, or whose leader died, is published late rather than
 never; published twice (the confirm came, the removal did not), its two copies
-carry the tick's message id, and idempotent execution runs one.
+carry the tick's message id, and idempotent execution runs one. The runner does not
+know which of the two it fires through: the outlet, chosen once from the broker, does.
 APScheduler's own misfire handling is off (``misfire_grace_time=None``,
 ``coalesce=False``): while this process leads, every due tick fires, late if need
 be. What a new leader fires of the ticks missed during a takeover is decided from
@@ -53,8 +55,6 @@ import json
 import logging
 import threading
 import time
-import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -69,10 +69,7 @@ from opentelemetry.metrics import Observation
 from .. import keys
 from ..aio import is_async, require_event_loop
 from ..brokers.base import KitBroker
-from ..brokers.redis import RedisBroker
-from ..errors import AlreadyApplied
-from ..exactly_once import done_running, running_job
-from ..lua import scripts
+from ..exactly_once import Running, run_handler, run_handler_async
 from ..metrics import instruments, observe
 from ..names import tick_message_id
 from ..records import text
@@ -80,11 +77,10 @@ from ..registry import Registry, idempotent_option, send_all
 from ..settings import SchedulerSettings
 from .executor import TickExecutor
 from .lease import Lease
+from .outlet import Tick, outlet_for
 from .schedule import Entry, Schedule
 from .status import scheduler_status
 from .triggers import SpecTrigger, first_at_or_after, following, just_after, upcoming
-
-_SCRIPTS = scripts(__file__)
 
 #: Redis, or a broker whose queues are elsewhere, out of reach: try again (a takeover publishes what was claimed).
 _UNREACHABLE = (redis.RedisError, BrokerConnectionError)
@@ -144,9 +140,10 @@ class Runner:
         self.keys = keys.SchedulerKeys(namespace)
         self.covered_key = self.keys.last_fired
         self.lease = Lease(broker.client, self.keys, settings.lease_ttl.total_seconds(), self._leadership_changed)
-        self._fire_script = broker.client.register_script(_SCRIPTS["fire"])
-        self._claim_script = broker.client.register_script(_SCRIPTS["claim"])
-        self._tick_ttl_ms = int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS
+        #: Where fired ticks go: pushed in the claim's Lua call, or published after it.
+        self.outlet = outlet_for(
+            broker, self.keys, int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS
+        )
         self._stop = threading.Event()
         self._wake = threading.Event()
         #: The entries' last fired ticks must be read again before firing (Redis or the broker was out of reach).
@@ -288,7 +285,7 @@ class Runner:
         ticks (all those within the misfire threshold, older ones under the catch-up policy), then
         start each job at its first tick after now. False if
         the lease was lost meanwhile."""
-        self._publish_unpublished()
+        self.outlet.recover()
         now = datetime.now(UTC)
         last = {text(k): int(v) for k, v in self.broker.client.hgetall(self.covered_key).items()}
         for name, started in self.broker.client.hgetall(self.keys.started).items():
@@ -359,7 +356,8 @@ class Runner:
 
     def _fire(self, entry: Entry, tick: datetime, *, catching_up: bool = False) -> bool:
         """Enqueue ``entry``'s ``tick``; False when this process turns out not to lead."""
-        if not self.lease.is_held() or self.lease.value is None:
+        lease = self.lease.value
+        if lease is None or not self.lease.is_held():
             return False
         # Each firing starts a trace of its own, named after the entry.
         with self.tracer.start_as_current_span(
@@ -371,20 +369,19 @@ class Runner:
                 "dramatiq_gp.schedule.catch_up": catching_up,
             },
         ) as span:
-            result = self._enqueue_tick(entry, tick)
-            outcome = {1: "fired", 0: "deduplicated", 2: "paused"}.get(result, "lease lost")
-            span.set_attribute("dramatiq_gp.schedule.outcome", outcome)
-        if result == -1:
+            outcome = self.outlet.fire(Tick(entry.name, _ms(tick), self._message(entry, tick), lease))
+            # The span says "lease lost", as it did before the script named its outcomes.
+            span.set_attribute("dramatiq_gp.schedule.outcome", "lease lost" if outcome == "lease_lost" else outcome)
+        if outcome == "lease_lost":
             self.logger.warning("schedule runner: %s not fired: this process no longer holds the lease", entry.name)
             # Until the next renewal (up to a third of the TTL away) the timer would try again at once, in a loop.
             self.lease.lose("a firing found it taken or gone")
             return False
-        if outcome == "fired" and catching_up:
-            outcome = "caught_up"
-        instruments().scheduler_ticks.add(1, {"entry": entry.name, "outcome": outcome})
-        if result == 2:
+        counted = "caught_up" if outcome == "fired" and catching_up else outcome
+        instruments().scheduler_ticks.add(1, {"entry": entry.name, "outcome": counted})
+        if outcome == "paused":
             self.logger.debug("schedule runner: %s is paused: tick %s not fired", entry.name, tick.isoformat())
-        if result == 1:
+        if outcome == "fired":
             lateness_ms = (datetime.now(UTC) - tick).total_seconds() * 1000
             self.logger.info(
                 "schedule runner: fired %s scheduled_at=%s lateness_ms=%.0f%s",
@@ -394,75 +391,6 @@ class Runner:
                 " (catch-up)" if catching_up else "",
             )
         return True
-
-    def _enqueue_tick(self, entry: Entry, tick: datetime) -> int:
-        """1: enqueued; 0: this tick was fired already; 2: the entry is paused; -1: the lease is lost."""
-        if not isinstance(self.broker, RedisBroker):
-            return self._claim_and_publish(entry, tick)
-        message = self._message(entry, tick)
-        redis_id = str(uuid.uuid4())
-        message = message.copy(options={"redis_message_id": redis_id})
-        self.broker.emit_before("enqueue", message, None)
-        ns, queue = self.broker.namespace, entry.queue
-        assert self.lease.value is not None
-        try:
-            result = int(
-                self._fire_script(
-                    keys=[
-                        self.lease.key,
-                        self.keys.tick(entry.name, _ms(tick)),
-                        self.covered_key,
-                        keys.queue(ns, queue),
-                        keys.messages(ns, queue),
-                        self.keys.paused,
-                    ],
-                    args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), redis_id, message.encode()],
-                )
-            )
-        except BaseException as exc:
-            self.broker.send_failed(message, exc)
-            raise
-        if result == 1:
-            self.broker.emit_after("enqueue", message, None)
-        else:
-            self.broker.send_failed(message, None)
-        return result
-
-    def _claim_and_publish(self, entry: Entry, tick: datetime) -> int:
-        """:meth:`_enqueue_tick` for a broker whose queues are elsewhere: claim, then a confirmed publish."""
-        message = self._message(entry, tick)
-        field = f"{entry.name}:{_ms(tick)}"
-        assert self.lease.value is not None
-        result = int(
-            self._claim_script(
-                keys=[
-                    self.lease.key,
-                    self.keys.tick(entry.name, _ms(tick)),
-                    self.covered_key,
-                    self.keys.unpublished,
-                    self.keys.paused,
-                ],
-                args=[self.lease.value, self._tick_ttl_ms, entry.name, _ms(tick), field, message.encode()],
-            )
-        )
-        if result == 1:
-            # A failure here leaves it unpublished, for the next takeover (the error starts one).
-            self.broker.enqueue(message)
-            self.broker.client.hdel(self.keys.unpublished, field)
-        return result
-
-    def _publish_unpublished(self) -> None:
-        """Publish the claimed ticks a leader left unconfirmed (none on Redis, where claiming enqueues)."""
-        if isinstance(self.broker, RedisBroker):
-            return
-        for field, data in self.broker.client.hgetall(self.keys.unpublished).items():
-            message = Message.decode(data if isinstance(data, bytes) else data.encode())
-            self.logger.warning(
-                "schedule runner: publishing %s, claimed but not confirmed by the leader that claimed it",
-                text(field),
-            )
-            self.broker.enqueue(message)
-            self.broker.client.hdel(self.keys.unpublished, field)
 
     def _message(self, entry: Entry, tick: datetime) -> Message[Any]:
         message_id = tick_message_id(entry.name, tick)
@@ -492,40 +420,18 @@ def _fan_out_fn(registry: Registry, broker: KitBroker) -> Any:
 def _job_fn(entry: Entry) -> Any:
     handler, takes_time, bind, actor_name = entry.handler, entry.takes_time, entry.inbox, entry.actor_name
     assert handler is not None
-    if bind is not None:
-        from ..outbox.inbox import transaction, transaction_async
 
+    # gp.inbox() inside the job keys its transaction by this firing's message id (the tick's).
     def run(firing: dict[str, Any]) -> None:
-        # gp.inbox() inside the job keys its transaction by this firing's message id.
-        running = running_job(actor_name, firing["scheduled_at"])
-        try:
-            args: list[Any] = [datetime.fromisoformat(firing["scheduled_at"])] if takes_time else []
-            if bind is None:
-                handler(*args)
-            else:
-                message_id = tick_message_id(entry.name, datetime.fromisoformat(firing["scheduled_at"]))
-                with transaction(bind, message_id, actor_name, None) as tx:
-                    handler(*args, tx)
-        except AlreadyApplied:
-            pass  # this firing's effect committed already (logged): the message is done
-        finally:
-            done_running(running)
-
-    call: Callable[..., Any] = handler
+        scheduled_at = firing["scheduled_at"]
+        args = (datetime.fromisoformat(scheduled_at),) if takes_time else ()
+        run_handler(Running(actor_name, scheduled_at=scheduled_at), bind, handler, *args)
 
     async def run_async(firing: dict[str, Any]) -> None:
         # On Dramatiq's event-loop thread, in a copy of the worker thread's context (see dramatiq_gp.aio).
-        running_job(actor_name, firing["scheduled_at"])
-        try:
-            args: list[Any] = [datetime.fromisoformat(firing["scheduled_at"])] if takes_time else []
-            if bind is None:
-                await call(*args)
-            else:
-                message_id = tick_message_id(entry.name, datetime.fromisoformat(firing["scheduled_at"]))
-                async with transaction_async(bind, message_id, actor_name, None) as tx:
-                    await call(*args, tx)
-        except AlreadyApplied:
-            pass
+        scheduled_at = firing["scheduled_at"]
+        args = (datetime.fromisoformat(scheduled_at),) if takes_time else ()
+        await run_handler_async(Running(actor_name, scheduled_at=scheduled_at), bind, handler, *args)
 
     fn: Any = run_async if is_async(handler) else run
     fn.__module__ = getattr(handler, "__module__", None) or __name__
