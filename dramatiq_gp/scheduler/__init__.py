@@ -3,7 +3,10 @@
 * :mod:`.cron`: standard cron, descriptors, ``@every`` and the DST policy;
 * :mod:`.schedule`: the fluent :class:`Schedule`, its entries, and the module-level ``@job``;
 * :mod:`.lease`: the leader lease on Redis;
-* :mod:`.runner`: firing ticks exactly once, and catching up after a takeover.
+* :mod:`.runner`: firing ticks exactly once, and catching up after a takeover;
+* :mod:`.outlet`: where a fired tick goes, one outlet per kind of broker;
+* :mod:`.executor`: the APScheduler executor that hands the runner its due ticks;
+* :mod:`.status`: what ``dramatiq-gp status`` and the dashboard show of the scheduler.
 """
 
 from .cron import CronError
