@@ -106,7 +106,7 @@ def test_completion_is_remembered_for_the_retention_window_and_claims_are_releas
     wait_for(lambda: rdb.get(key) == "done")
     assert 1500 < rdb.pttl(key) <= 2000
     wait_for(lambda: not idem._running)  # nothing left to renew
-    assert [k for k in rdb.scan_iter(f"{namespace}:gp:done:*") if rdb.get(k) != "done"] == []
+    assert [k for k in rdb.scan_iter(f"{namespace}:gp:done:*", count=1000) if rdb.get(k) != "done"] == []
 
     kit.dispatch(Ping(1), envelope_id="kept")  # within the window: skipped
     wait_for(lambda: "task skipped: already completed" in caplog.text)
@@ -170,7 +170,7 @@ def test_plain_actors_are_not_checked(make_kit, start_worker, rdb, namespace):
     kit.broker.enqueue(message)
     start_worker(kit)
     wait_for(lambda: len(runs) == 2)
-    assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
+    assert list(rdb.scan_iter(f"{namespace}:gp:done:*", count=1000)) == []
 
 
 def test_messages_claimed_but_not_started_at_shutdown_are_requeued_with_their_claims_freed(make_kit, rdb, namespace):
@@ -190,11 +190,11 @@ def test_messages_claimed_but_not_started_at_shutdown_are_requeued_with_their_cl
     worker.start()
     wait_for(lambda: started)
     # Both were fetched and claimed in one batch (prefetch is twice the threads); one is running.
-    assert len(list(rdb.scan_iter(f"{namespace}:gp:done:*"))) == 2
+    assert len(list(rdb.scan_iter(f"{namespace}:gp:done:*", count=1000))) == 2
     worker.stop(5000)
     assert len(started) == 1
     assert rdb.llen(f"{namespace}:default") == 1
-    assert [rdb.get(k) for k in rdb.scan_iter(f"{namespace}:gp:done:*")] == ["done"]
+    assert [rdb.get(k) for k in rdb.scan_iter(f"{namespace}:gp:done:*", count=1000)] == ["done"]
 
     again = dramatiq.Worker(kit.broker, worker_threads=2, worker_timeout=100)
     again.start()
