@@ -11,6 +11,7 @@ from typing import Any
 
 from .brokers.redis import RedisBroker
 from .errors import (
+    AlreadyApplied,
     BrokerMismatch,
     BrokerUnreachable,
     ConfigError,

@@ -18,3 +18,10 @@ def test_mypy_in_a_users_project_reads_the_installed_package_as_typed(tmp_path):
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert "import-untyped" not in done.stdout, done.stdout
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_name_the_package_exports_is_there():
+    """``from dramatiq_gp import *`` and ``gp.<name>`` find every name ``__all__`` promises (the docs use them)."""
+    import dramatiq_gp as gp
+
+    assert [name for name in gp.__all__ if not hasattr(gp, name)] == []
