@@ -340,11 +340,12 @@ def _who() -> str:
 
 
 @contextmanager
-def _queues(settings: Settings) -> Iterator[QueueView]:
-    """The view of the queues, closed at the end; its server out of reach ends the command with one line."""
+def _queues(settings: Settings, client: redis.Redis | None = None) -> Iterator[QueueView]:
+    """The view of the queues (``client``: the command's Redis client, if it has one already); its server out of
+    reach ends the command with one line."""
     from .brokers.kinds import view_for
 
-    view = view_for(settings, _redis(settings))
+    view = view_for(settings, client if client is not None else _redis(settings))
     try:
         yield view
     except view.unreachable as exc:
@@ -804,7 +805,7 @@ def status(as_json: bool) -> None:
     schedulers = {_scheduler_keys(settings)}
     found = client.scan_iter(keys.ALL_SCHEDULER_ENTRIES, count=1000)
     schedulers |= {keys.SchedulerKeys.from_entries_key(key.decode()) for key in found}
-    with _queues(settings) as view:
+    with _queues(settings, client) as view:
         queues = view.counts(view.names(thorough=True))
     report: dict[str, Any] = {
         "schedulers": [scheduler_status(client, s) for s in sorted(schedulers, key=lambda s: s.namespace)],

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -207,8 +208,8 @@ class RabbitmqQueueView(QueueView):
                 method, properties, body = channel.basic_get(xq, auto_ack=False)
                 if method is None:
                     return
-                message_id = _message_id(body)
-                dead = letter(queue, message_id or "", DIED_UNKNOWN, body, pii)
+                dead = letter(queue, "", DIED_UNKNOWN, body, pii)
+                dead = replace(dead, id=dead.message_id or "")  # on RabbitMQ its handle is its message id
                 choice = choose(dead)
                 if choice == REQUEUE:
                     _publish(channel, queue, properties, _for_queue(body, queue))
@@ -244,13 +245,6 @@ def _publish(channel: Any, queue: str, properties: Any, body: bytes) -> None:
         properties=pika.BasicProperties(delivery_mode=2, priority=properties.priority, headers=headers or None),
         mandatory=True,
     )
-
-
-def _message_id(body: bytes) -> str | None:
-    try:
-        return Message.decode(body).message_id
-    except DecodeError:
-        return None
 
 
 def _for_queue(body: bytes, queue: str) -> bytes:
