@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("overhead", "relay", "latency", "scheduler", "queues", "priority", "soak", "dashboard")
+BENCHMARKS = ("overhead", "relay", "latency", "scheduler", "queues", "priority", "soak", "dashboard", "idempotency")
 
 
 def main(argv: list[str]) -> int:

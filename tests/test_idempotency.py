@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 import dramatiq_gp as gp
+from dramatiq_gp.brokers import done_marks
 from helpers import dead, messages_of, ready, wait_for
 
 
@@ -90,33 +91,55 @@ def test_completion_is_remembered_for_the_retention_window_and_claims_are_releas
         runs.append(event.n)
         finish.wait(5)
 
-    kit = _kit_with(make_kit, handler, env={"WORKER_DEDUP_RETENTION": "2s"})
+    kit = _kit_with(make_kit, handler, env={"WORKER_DEDUP_RETENTION": "4s"})
     idem = next(m for m in kit.broker.middleware if isinstance(m, gp.IdempotentExecution))
     kit.dispatch(Ping(1), envelope_id="kept")
     start_worker(kit)
     wait_for(lambda: runs == [1])
     (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(1), "kept")]
-    key = f"{namespace}:gp:done:{message_id}"
+    claim = f"{namespace}:gp:claim:{message_id}"
     # While it runs, the attempt holds a claim: its own token, for one lease, renewed by the worker.
-    assert rdb.get(key) not in (None, "done")
-    assert 0 < rdb.pttl(key) <= idem.lease_ms
-    assert list(idem._running) == [key]
+    assert rdb.get(claim) is not None
+    assert 0 < rdb.pttl(claim) <= idem.lease_ms
+    assert list(idem._running) == [claim]
+    assert not done_marks.is_done(rdb, namespace, message_id)
 
     finish.set()
-    wait_for(lambda: rdb.get(key) == "done")
-    assert 1500 < rdb.pttl(key) <= 2000
+    wait_for(lambda: done_marks.is_done(rdb, namespace, message_id))
+    completed = time.monotonic()
+    assert rdb.exists(claim) == 0
     wait_for(lambda: not idem._running)  # nothing left to renew
-    assert [k for k in rdb.scan_iter(f"{namespace}:gp:done:*", count=1000) if rdb.get(k) != "done"] == []
 
-    kit.dispatch(Ping(1), envelope_id="kept")  # within the window: skipped
+    # Inside the retention, up to its last moment: a copy is skipped.
+    time.sleep(3.6)
+    kit.dispatch(Ping(1), envelope_id="kept")
     wait_for(lambda: "task skipped: already completed" in caplog.text)
+    assert time.monotonic() - completed < 4
     assert runs == [1]
-    assert rdb.get(key) == "done"
 
-    wait_for(lambda: rdb.exists(key) == 0, timeout=5)  # the window is over: nothing is held
+    # Kept a quarter of the retention longer at most (its slice expires whole): then a copy runs.
+    wait_for(lambda: not done_marks.is_done(rdb, namespace, message_id), timeout=3)
+    assert 4 <= time.monotonic() - completed <= 5.2
+    assert list(rdb.scan_iter(f"{namespace}:gp:done:*:*", count=1000)) == []  # nothing held
     kit.dispatch(Ping(1), envelope_id="kept")
     wait_for(lambda: runs == [1, 1])
-    wait_for(lambda: rdb.get(key) == "done")
+    wait_for(lambda: done_marks.is_done(rdb, namespace, message_id))
+
+
+@pytest.mark.usefixtures("broker")
+def test_done_marks_take_about_twenty_bytes_each_in_compact_shards(make_kit, start_worker, rdb, namespace):
+    """The sizing docs/capacity.md gives: a few thousand marks, their memory, and their encoding."""
+    kit = _kit_with(make_kit, lambda event: None, env={"WORKER_DEDUP_RETENTION": "1h"})
+    count = 3000
+    for n in range(count):
+        kit.dispatch(Ping(n))
+    start_worker(kit, threads=8)
+    wait_for(lambda: ready(kit) == 0 and not rdb.keys(f"{namespace}:gp:claim:*"), timeout=60)
+    marks = [k for k in rdb.scan_iter(f"{namespace}:gp:done:*:*:*:*", count=1000)]
+    assert sum(rdb.hlen(k) for k in marks) == count
+    assert {rdb.object("encoding", k) for k in marks} <= {"listpack", "ziplist"}
+    used = sum(rdb.memory_usage(k, samples=0) for k in rdb.scan_iter(f"{namespace}:gp:done:*", count=1000))
+    assert used / count <= 40, used / count
 
 
 @pytest.mark.usefixtures("broker")
@@ -129,7 +152,8 @@ def test_a_failed_attempt_releases_its_claim(make_kit, start_worker, rdb, namesp
     start_worker(kit)
     wait_for(lambda: dead(kit) == 1)
     (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(1), envelope_id)]
-    assert rdb.exists(f"{namespace}:gp:done:{message_id}") == 0
+    assert rdb.exists(f"{namespace}:gp:claim:{message_id}") == 0
+    assert not done_marks.is_done(rdb, namespace, message_id)
 
 
 @pytest.mark.usefixtures("broker")
@@ -170,7 +194,7 @@ def test_plain_actors_are_not_checked(make_kit, start_worker, rdb, namespace):
     kit.broker.enqueue(message)
     start_worker(kit)
     wait_for(lambda: len(runs) == 2)
-    assert list(rdb.scan_iter(f"{namespace}:gp:done:*", count=1000)) == []
+    assert list(rdb.scan_iter(f"{namespace}:gp:[cd]*", count=1000)) == []
 
 
 def test_messages_claimed_but_not_started_at_shutdown_are_requeued_with_their_claims_freed(make_kit, rdb, namespace):
@@ -183,18 +207,19 @@ def test_messages_claimed_but_not_started_at_shutdown_are_requeued_with_their_cl
         time.sleep(0.5)
 
     kit = _kit_with(make_kit, slow)
-    for n in range(2):
-        kit.dispatch(Ping(n))
+    envelopes = [kit.dispatch(Ping(n)) for n in range(2)]
     kit.broker.emit_after("process_boot")
     worker = dramatiq.Worker(kit.broker, worker_threads=1, worker_timeout=100)
     worker.start()
     wait_for(lambda: started)
     # Both were fetched and claimed in one batch (prefetch is twice the threads); one is running.
-    assert len(list(rdb.scan_iter(f"{namespace}:gp:done:*", count=1000))) == 2
+    assert len(list(rdb.scan_iter(f"{namespace}:gp:claim:*", count=1000))) == 2
     worker.stop(5000)
     assert len(started) == 1
     assert rdb.llen(f"{namespace}:default") == 1
-    assert [rdb.get(k) for k in rdb.scan_iter(f"{namespace}:gp:done:*", count=1000)] == ["done"]
+    assert len(list(rdb.scan_iter(f"{namespace}:gp:claim:*", count=1000))) == 0
+    ids = [m.message_id for n in range(2) for m in kit.registry.fan_out(Ping(n), envelopes[n])]
+    assert [done_marks.is_done(rdb, namespace, i) for i in ids] == [n in started for n in range(2)]
 
     again = dramatiq.Worker(kit.broker, worker_threads=2, worker_timeout=100)
     again.start()

@@ -30,6 +30,7 @@ from dramatiq.errors import ConnectionClosed
 
 import dramatiq_gp as gp
 from dramatiq_gp import keys
+from dramatiq_gp.brokers import done_marks
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
 from dramatiq_gp.brokers.rabbitmq_view import RabbitmqQueueView
 from dramatiq_gp.cli import main as cli_main
@@ -209,7 +210,8 @@ def test_a_failed_idempotent_attempt_is_retried_through_the_delay_queue_and_a_co
     finally:
         worker.stop()
     assert attempts == [1, 2]
-    assert broker.client.get(keys.done_prefix(namespace) + message.message_id) == b"done"
+    assert done_marks.is_done(broker.client, namespace, message.message_id)
+    assert broker.client.get(keys.claim_prefix(namespace) + message.message_id) is None
 
 
 @gp.event("test.rabbitmq.paid")

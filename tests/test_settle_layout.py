@@ -16,6 +16,7 @@ import pytest
 from dramatiq import Message
 
 from dramatiq_gp import keys
+from dramatiq_gp.brokers import done_marks
 from dramatiq_gp.brokers.base import SettlePlan, attach_plan, plan_of
 from dramatiq_gp.brokers.redis import _SCRIPTS, SETTLE_ARGV, SETTLE_KEYS, RedisBroker
 from helpers import close_broker
@@ -109,7 +110,11 @@ def test_the_broker_packs_a_batch_as_the_layout_says_and_the_script_writes_each_
     plain_ack, planned_ack, failed = _fetch(broker, "default", 3)
     [put_back] = _fetch(broker, "other", 1)
 
-    attach_plan(planned_ack, SettlePlan(key=f"{ns}:test:done", token="t1", outcome="done", retention_ms=60_000))
+    rdb.set(f"{ns}:test:done", "t1")
+    mark = done_marks.digest(planned_ack.message_id)
+    attach_plan(
+        planned_ack, SettlePlan(key=f"{ns}:test:done", token="t1", outcome="done", mark=mark, retention_ms=60_000)
+    )
     broker.redeliver_later(planned_ack, 30_000)  # its copy, in its plan
     rdb.set(f"{ns}:test:claim", "t2")
     attach_plan(put_back, SettlePlan(key=f"{ns}:test:claim", token="t2", outcome="release"))
@@ -128,7 +133,7 @@ def test_the_broker_packs_a_batch_as_the_layout_says_and_the_script_writes_each_
 
     [(touched, args)] = calls
     head, queues, entries = _entries(args)
-    assert (head["worker_id"], head["queue_count"]) == (worker, 2)
+    assert (head["worker_id"], head["queue_count"], head["marks"]) == (worker, 2, keys.done_marks(ns))
     assert dict(zip(SETTLE_KEYS["head"], touched, strict=False)) == {
         "heartbeats": keys.heartbeats(ns),
         "throughput": keys.throughput(ns, head["now"] // 60_000),
@@ -160,6 +165,7 @@ def test_the_broker_packs_a_batch_as_the_layout_says_and_the_script_writes_each_
             "key_index": touched.index(f"{ns}:test:done") + 1,
             "outcome": "done",
             "token": "t1",
+            "mark": mark,
             "retention_ms": 60_000,
             "copy_id": copy.options[rid],
             "data": copy.encode(),
@@ -171,6 +177,7 @@ def test_the_broker_packs_a_batch_as_the_layout_says_and_the_script_writes_each_
             "key_index": 0,
             "outcome": "",
             "token": "",
+            "mark": b"",
             "retention_ms": 0,
             "copy_id": "",
             "data": failed.encode(),
@@ -182,6 +189,7 @@ def test_the_broker_packs_a_batch_as_the_layout_says_and_the_script_writes_each_
             "key_index": touched.index(f"{ns}:test:claim") + 1,
             "outcome": "release",
             "token": "t2",
+            "mark": b"",
             "retention_ms": 0,
             "copy_id": "",
             "data": b"",
@@ -193,7 +201,9 @@ def test_the_broker_packs_a_batch_as_the_layout_says_and_the_script_writes_each_
     assert rdb.hkeys(keys.messages(ns, "default")) == []
     assert rdb.lrange(keys.delay_queue(ns, "default"), 0, -1) == [copy.options[rid]]
     assert rdb.hget(keys.delay_messages(ns, "default"), copy.options[rid]) == copy.encode().decode()
-    assert rdb.get(f"{ns}:test:done") == "done" and 0 < rdb.pttl(f"{ns}:test:done") <= 60_000
+    assert rdb.exists(f"{ns}:test:done", f"{ns}:test:claim") == 0  # both claims freed
+    assert done_marks.is_done(rdb, ns, planned_ack.message_id)
+    assert not done_marks.is_done(rdb, ns, put_back.message_id)
     assert rdb.zrange(keys.dead(ns, "default"), 0, -1) == [failed.options[rid]]
     kept = Message.decode(rdb.hget(keys.dead_messages(ns, "default"), failed.options[rid]).encode())
     assert kept.options["traceback"] == "the last attempt's"

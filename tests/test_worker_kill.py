@@ -18,6 +18,7 @@ from dramatiq import Message
 from dramatiq.brokers.redis import DEFAULT_HEARTBEAT_TIMEOUT, RedisBroker
 
 from apps.replica import Replica
+from dramatiq_gp.brokers import done_marks
 from helpers import close_broker, wait_for
 
 #: What docs/guarantees.md promises ("within about 75 s"), with room for a slow machine.
@@ -88,7 +89,8 @@ def test_a_kill_9d_workers_messages_run_again_on_a_survivor_after_its_heartbeat_
         assert max(after_kill) <= WITHIN_S, after_kill
         # Every message id completed, and nothing is left held, queued or stored.
         idempotent = [m.message_id for m in sent if m.actor_name == "hold_idempotent"]
-        assert [rdb.get(f"{namespace}:gp:done:{message_id}") for message_id in idempotent] == ["done"] * (HELD // 2)
+        assert [done_marks.is_done(rdb, namespace, message_id) for message_id in idempotent] == [True] * (HELD // 2)
+        assert list(rdb.scan_iter(f"{namespace}:gp:claim:*")) == []
         assert (rdb.exists(acks), rdb.llen(queue), rdb.hlen(f"{queue}.msgs")) == (0, 0, 0)
     finally:
         close_broker(producer)

@@ -70,11 +70,13 @@ class SettlePlan:
     the same call as the ack on Redis, before the ack on RabbitMQ.
     """
 
-    #: Idempotency key and the token of this attempt's claim ("" if none).
+    #: The idempotency claim's key and this attempt's token ("" if none).
     key: str = ""
     token: str = ""
-    #: ``"done"`` marks the id completed, ``"release"`` frees the claim.
+    #: ``"done"`` frees the claim and marks the id completed, ``"release"`` only frees it.
     outcome: str = ""
+    #: The id's digest in its done mark (:mod:`.done_marks`), kept so long.
+    mark: bytes = b""
     retention_ms: int = 0
     #: A copy for the delay queue, already announced (``before_enqueue``), due after
     #: ``delay_ms``: a retry or a deferral (see :meth:`KitBroker.redeliver_later`).

@@ -94,12 +94,14 @@ from ..errors import BrokerUnreachable, ConfigError, ConfirmTimeout, QuorumLost
 from ..lua import scripts
 from ..names import is_delay_queue
 from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, plan_of
+from .done_marks import with_library
 from .publisher import CONFIRM_TIMEOUT_S, BatchPublisher, NoReply, NotConfirmed
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
 
 _SCRIPTS = scripts(__file__)
+_SCRIPTS["record"] = with_library(_SCRIPTS["record"])
 
 #: How often a consumer records its process's heartbeat, and the messages settled since, in Redis for the dashboard.
 BEAT_EVERY_S = 5.0
@@ -434,12 +436,12 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             else:
                 self.emit_after("enqueue", copy, plan.delay_ms)
         record_keys: list[str] = []
-        record_args: list[Any] = []
+        record_args: list[Any] = [keys.done_marks(self.namespace)]
         for _, message, _ in batch:
             plan = plan_of(message)
             if plan is not None and plan.key:
                 record_keys.append(plan.key)
-                record_args += [plan.outcome, plan.token, plan.retention_ms]
+                record_args += [plan.outcome, plan.token, plan.mark, plan.retention_ms]
         if record_keys:
             try:
                 self._record(keys=record_keys, args=record_args)

@@ -98,11 +98,13 @@ from .base import (
     malformed,
     plan_of,
 )
+from .done_marks import with_library
 from .settler import Settler
 
 logger = logging.getLogger(__name__)
 
 _SCRIPTS = scripts(__file__)
+_SCRIPTS["settle"] = with_library(_SCRIPTS["settle"])
 
 #: The arguments of ``redis/settle.lua``, named slot by slot: the one statement of its layout.
 #: The script's header cites this table, and ``tests/test_settle_layout.py`` holds both the
@@ -121,10 +123,21 @@ SETTLE_KEYS: dict[str, tuple[str, ...]] = {
     "queue": ("acks", "msgs", "queue", "xq", "xq_msgs", "dq", "dq_msgs"),
 }
 SETTLE_ARGV: dict[str, tuple[str, ...]] = {
-    "head": ("now", "worker_id", "queue_count"),
+    "head": ("now", "worker_id", "queue_count", "marks"),
     "queue": ("first_key", "queue_name"),
     "plain": ("tag", "first_key", "redis_id"),
-    "full": ("tag", "first_key", "redis_id", "key_index", "outcome", "token", "retention_ms", "copy_id", "data"),
+    "full": (
+        "tag",
+        "first_key",
+        "redis_id",
+        "key_index",
+        "outcome",
+        "token",
+        "mark",
+        "retention_ms",
+        "copy_id",
+        "data",
+    ),
 }
 
 
@@ -353,12 +366,14 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
                 key_index,
                 plan.outcome,
                 plan.token,
+                plan.mark,
                 plan.retention_ms,
                 copy.options["redis_message_id"] if copy else "",
                 data,
             ]
         # SETTLE_ARGV["head"], then the queues, then the messages.
-        self._scripts["settle"](keys=touched, args=[now, self.broker_id, len(names) // 2, *names, *args])
+        head: list[Any] = [now, self.broker_id, len(names) // 2, keys.done_marks(ns)]
+        self._scripts["settle"](keys=touched, args=[*head, *names, *args])
         for _, message, command in batch:
             plan = plan_of(message)
             if plan is None or plan.copy is None:

@@ -6,15 +6,17 @@ do happen: a relay crashing between enqueue and commit, a fan-out retried, two
 leaders overlapping. This middleware makes them harmless:
 
 * one Lua call per fetched batch claims each id (``SET`` with a lease) unless it
-  is already marked done (the copy is acked and skipped) or claimed by a running
+  has a done mark (the copy is acked and skipped) or is claimed by a running
   copy (the copy is deferred and looked at again later, so a crashed holder's
   work is not lost); the kit's broker calls :meth:`IdempotentExecution.after_fetch`
   as it fetches, and a message that arrives unclaimed is claimed on its own;
 * the outcome rides in the message's settle plan
   (:class:`~dramatiq_gp.brokers.base.SettlePlan`) and is written with the ack (on
   Redis in the same Lua call, on RabbitMQ to Redis just before it; see
-  ``docs/life-of-a-message.md``): ``done`` for a success, kept for the retention
-  window; the claim is released on failure, so a retry of the same id runs;
+  ``docs/life-of-a-message.md``): for a success the claim is freed and the id gets
+  a done mark, kept for the retention window in about 20 bytes
+  (:mod:`~dramatiq_gp.brokers.done_marks`); on failure the claim is only freed, so
+  a retry of the same id runs;
 * a thread renews the leases of messages still running, so a long task keeps its
   claim and a dead worker's claim lapses within one lease.
 
@@ -24,8 +26,9 @@ jobs do); a plain actor's ids are random, so checking them would buy nothing.
 Hooks: ``before_worker_boot`` (refuses any broker but the kit's, whose settle step writes
 the outcome), ``after_worker_boot``/``after_worker_shutdown``
 (the renewing thread), ``before_process_message``, ``after_process_message``,
-``after_ack``/``after_nack``, and the broker's ``after_fetch``. The keys are
-``<namespace>:gp:done:<message id>`` on the broker's Redis.
+``after_ack``/``after_nack``, and the broker's ``after_fetch``. The claims are
+``<namespace>:gp:claim:<message id>`` on the broker's Redis, the done marks under
+``<namespace>:gp:done:``.
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
 from .. import keys
+from ..brokers import done_marks
 from ..brokers.base import KitBroker, SettlePlan, attach_plan, kit_broker, plan_of
 from ..errors import one_line_at_start_up
 from ..lua import scripts
 from ..names import is_delay_queue
 
 _SCRIPTS = scripts(__file__)
+_SCRIPTS["claim"] = done_marks.with_library(_SCRIPTS["claim"])
 _CLAIMED, _DONE, _RUNNING = 1, 2, 3
 _STATE_ATTR = "_gp_claim_state"
 
@@ -71,7 +76,7 @@ class IdempotentExecution(Middleware):
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.retention_ms = retention_ms
         self.lease_ms = lease_ms
-        self.key_prefix = ""
+        self.key_prefix = self.marks_prefix = ""
         self._running: dict[str, str] = {}
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -86,7 +91,8 @@ class IdempotentExecution(Middleware):
 
     def bind(self, broker: KitBroker) -> None:
         """Keep the claims on ``broker``'s Redis, under its namespace."""
-        self.key_prefix = keys.done_prefix(broker.namespace)
+        self.key_prefix = keys.claim_prefix(broker.namespace)
+        self.marks_prefix = keys.done_marks(broker.namespace)
         self._claim = broker.client.register_script(_SCRIPTS["claim"])
         self._renew = broker.client.register_script(_SCRIPTS["renew"])
 
@@ -107,27 +113,28 @@ class IdempotentExecution(Middleware):
             return
         keys = [self.key_prefix + m.message_id for m in wanted]
         tokens = [uuid4().hex for _ in wanted]
+        marks = [done_marks.digest(m.message_id) for m in wanted]
         try:
-            states = self._claim(keys=keys, args=[self.lease_ms, *tokens])
+            states = self._claim(keys=keys, args=self._claim_args(tokens, marks))
         except redis.RedisError as exc:
             self.logger.warning(
                 "could not claim a batch of %d message(s), claiming them one by one: %s", len(keys), exc
             )
             return
         for i, message in enumerate(wanted):
-            self._record(message, keys[i], tokens[i], states[2 * i], states[2 * i + 1])
+            self._record(message, keys[i], tokens[i], marks[i], states[2 * i], states[2 * i + 1])
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         if not self._applies(broker, message):
             return
         state = getattr(message, _STATE_ATTR, None)
         if state is None:
-            key, token = self.key_prefix + message.message_id, uuid4().hex
+            key, token, mark = self.key_prefix + message.message_id, uuid4().hex, done_marks.digest(message.message_id)
             try:
-                result = self._claim(keys=[key], args=[self.lease_ms, token])
+                result = self._claim(keys=[key], args=self._claim_args([token], [mark]))
             except redis.RedisError as exc:
                 raise ClaimUnavailable(f"cannot check whether message {message.message_id} ran: {exc}") from exc
-            state = self._record(message, key, token, *result)
+            state = self._record(message, key, token, mark, *result)
         if state[0] == _CLAIMED:
             return
         if state[0] == _DONE:
@@ -172,10 +179,15 @@ class IdempotentExecution(Middleware):
         actor = broker.actors.get(message.actor_name)
         return actor is not None and bool(actor.options.get("idempotent"))
 
-    def _record(self, message: MessageProxy, key: str, token: str, state: int, pttl: int) -> tuple[int, int]:
+    def _claim_args(self, tokens: list[str], marks: list[bytes]) -> list[Any]:
+        return [self.lease_ms, self.marks_prefix, *(x for pair in zip(tokens, marks, strict=True) for x in pair)]
+
+    def _record(
+        self, message: MessageProxy, key: str, token: str, mark: bytes, state: int, pttl: int
+    ) -> tuple[int, int]:
         if state == _CLAIMED:
             self._running[key] = token
-            attach_plan(message, SettlePlan(key=key, token=token, outcome="release"))
+            attach_plan(message, SettlePlan(key=key, token=token, outcome="release", mark=mark))
         setattr(message, _STATE_ATTR, (state, int(pttl)))
         return state, int(pttl)
 

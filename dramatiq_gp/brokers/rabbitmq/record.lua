@@ -1,13 +1,20 @@
 -- Records the idempotency outcomes of a batch of messages before they are settled on RabbitMQ.
--- KEYS: the idempotency keys.
--- ARGV: for each key in turn, the outcome ("done" marks the id completed, "release" frees
---       this attempt's claim), the claim's token, and the retention in ms.
+-- KEYS: the idempotency claims.
+-- ARGV: the done marks' prefix, then for each claim in turn: the outcome ("done" frees the
+--       claim and marks the id completed, "release" only frees it), the claim's token, the
+--       id's digest in its done mark, and the retention in ms.
+local marks = ARGV[1]
+local now = nil
 for i, key in ipairs(KEYS) do
-    local outcome, token = ARGV[3 * i - 2], ARGV[3 * i - 1]
-    if outcome == "done" then
-        redis.call("set", key, "done", "PX", ARGV[3 * i])
-    elseif outcome == "release" and redis.call("get", key) == token then
+    local at = 4 * i - 2
+    if ARGV[at] == "done" then
+        now = now or marks_time()
+        mark_done(marks, ARGV[at + 3], now, ARGV[at + 2])
+    end
+    -- A claim another copy took over after this one's lease lapsed stays that copy's.
+    if redis.call("get", key) == ARGV[at + 1] then
         redis.call("del", key)
     end
 end
+marks_flush()
 return #KEYS

@@ -1,5 +1,5 @@
 -- Settles a batch of fetched messages (ack, nack or requeue), each with its settle plan:
--- the idempotency outcome and a delayed copy. docs/life-of-a-message.md says where this
+-- the idempotency outcome (its claim freed, its done mark made) and a delayed copy. docs/life-of-a-message.md says where this
 -- call stands in a message's life.
 --
 -- Each message settled here is counted in this minute's throughput hash, under
@@ -12,26 +12,28 @@
 --
 -- KEYS head:  heartbeats, throughput
 -- KEYS queue: acks, msgs, queue, xq, xq_msgs, dq, dq_msgs
--- ARGV head:  now, worker_id, queue_count
+-- ARGV head:  now, worker_id, queue_count, marks
 -- ARGV queue: first_key, queue_name
 -- ARGV plain: tag, first_key, redis_id
--- ARGV full:  tag, first_key, redis_id, key_index, outcome, token, retention_ms, copy_id, data
+-- ARGV full:  tag, first_key, redis_id, key_index, outcome, token, mark, retention_ms, copy_id, data
 --
 -- KEYS: the head, then, in the order the batch first needs them, each queue's keys and the
 -- idempotency key of each message whose plan has one. ARGV: the head, then queue_count
 -- queue entries, then one entry per message: plain with the tag "a", "n" or "r", full with
--- "A", "N" or "R". first_key is the index of the queue's first key, key_index that of the
--- idempotency key (0: none); data is the copy's (copy_id "": no copy), or for "N" the
--- dead letter to keep.
+-- "A", "N" or "R". marks is the done marks' prefix; first_key is the index of the queue's
+-- first key, key_index that of the idempotency claim (0: none), mark the id's digest in
+-- its done mark; data is the copy's (copy_id "": no copy), or for "N" the dead letter to keep.
 local heartbeats, throughput = KEYS[1], KEYS[2]
 local now = ARGV[1]
 local worker_id = ARGV[2]
 local queue_count = tonumber(ARGV[3])
+local marks = ARGV[4]
+local marks_now = nil
 redis.call("zadd", heartbeats, now, worker_id)
 local names = {}
 for j = 0, queue_count - 1 do
-    local first_key = tonumber(ARGV[4 + 2 * j])
-    local queue_name = ARGV[5 + 2 * j]
+    local first_key = tonumber(ARGV[5 + 2 * j])
+    local queue_name = ARGV[6 + 2 * j]
     names[first_key] = queue_name
 end
 local counts = {}
@@ -39,21 +41,22 @@ local function count(q, kind)
     local field = names[q] .. kind
     counts[field] = (counts[field] or 0) + 1
 end
-local i = 4 + 2 * queue_count
+local i = 5 + 2 * queue_count
 while i <= #ARGV do
     local tag = ARGV[i]
     local first_key = tonumber(ARGV[i + 1])
     local redis_id = ARGV[i + 2]
     local command = string.lower(tag)
     local full = tag ~= command
-    local key_index, outcome, token, retention_ms, copy_id, data
+    local key_index, outcome, token, mark, retention_ms, copy_id, data
     if full then
         key_index = tonumber(ARGV[i + 3])
         outcome = ARGV[i + 4]
         token = ARGV[i + 5]
-        retention_ms = ARGV[i + 6]
-        copy_id = ARGV[i + 7]
-        data = ARGV[i + 8]
+        mark = ARGV[i + 6]
+        retention_ms = ARGV[i + 7]
+        copy_id = ARGV[i + 8]
+        data = ARGV[i + 9]
     end
     local acks, msgs, queue, xq, xq_msgs, dq, dq_msgs = KEYS[first_key], KEYS[first_key + 1],
         KEYS[first_key + 2], KEYS[first_key + 3], KEYS[first_key + 4], KEYS[first_key + 5], KEYS[first_key + 6]
@@ -93,14 +96,18 @@ while i <= #ARGV do
         if key_index > 0 then
             local key = KEYS[key_index]
             if outcome == "done" then
-                redis.call("set", key, "done", "PX", retention_ms)
-            elseif outcome == "release" and redis.call("get", key) == token then
+                marks_now = marks_now or marks_time()
+                mark_done(marks, retention_ms, marks_now, mark)
+            end
+            -- A claim another copy took over after this one's lease lapsed stays that copy's.
+            if redis.call("get", key) == token then
                 redis.call("del", key)
             end
         end
-        i = i + 9
+        i = i + 10
     end
 end
+marks_flush()
 if next(counts) then
     for field, n in pairs(counts) do
         redis.call("hincrby", throughput, field, n)

@@ -1,13 +1,17 @@
--- For each key: claim it (state 1), or report it done (2) or held by a running copy (3, with its TTL).
+-- For each claim key: report its id done (2) if a done mark holds its digest, or held by a
+-- running copy (3, with the claim's TTL), or claim it (1).
+-- KEYS: the claims. ARGV: the lease in ms, the done marks' prefix, then a token and a
+-- digest for each claim in turn.
+local lease_ms, marks = ARGV[1], ARGV[2]
+local places = marks_places(marks, marks_time())
 local result = {}
 for i, key in ipairs(KEYS) do
-    local v = redis.call("get", key)
-    if not v then
-        redis.call("set", key, ARGV[i + 1], "PX", ARGV[1])
-        result[#result + 1] = 1
-        result[#result + 1] = 0
-    elseif v == "done" then
+    local token, digest = ARGV[2 * i + 1], ARGV[2 * i + 2]
+    if marked_done(places, digest) then
         result[#result + 1] = 2
+        result[#result + 1] = 0
+    elseif redis.call("set", key, token, "NX", "PX", lease_ms) then
+        result[#result + 1] = 1
         result[#result + 1] = 0
     else
         result[#result + 1] = 3
