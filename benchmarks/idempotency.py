@@ -12,7 +12,9 @@ threads on an idempotent no-op actor (as the kit's listeners and jobs are). Two 
   from the one before, as they do in a long run; the figure is read at the end,
   with the marks of between 1 and 1¼ retentions held.
 
-For each: ``redis_bytes_per_done_message``, the memory of every done-mark key
+For each: the server's CPU per message and its calls per message by command (the
+commands scripts run included; ``redis_scripts_per_message`` counts the scripts,
+each one round trip), ``redis_bytes_per_done_message``, the memory of every done-mark key
 (``MEMORY USAGE``) over the marks held, and ``used_memory_per_done_message``, what
 ``used_memory`` drops by when those keys are deleted, over the same. The baseline
 is the layout the kit had before, one key per message id (``SET <ns>:gp:done:<id>
@@ -84,6 +86,13 @@ class Server:
     def used(self) -> int:
         return int(self.client.info("memory")["used_memory"])
 
+    def cost(self) -> tuple[dict[str, int], float]:
+        """Calls so far by command (those a script makes included), and the server's CPU seconds."""
+        stats = self.client.info("commandstats")
+        cpu = self.client.info("cpu")
+        calls = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+        return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
     def stop(self) -> None:
         self.client.close()
         self.process.terminate()
@@ -118,6 +127,7 @@ def run_phase(server: Server, retention_ms: int, messages: int, rate: float, sec
     def noop(n: int) -> None:
         pass
 
+    calls_before, cpu_before = server.cost()
     kit.broker.emit_after("process_boot")
     worker = dramatiq.Worker(kit.broker, worker_threads=8, worker_timeout=100)
     worker.start()
@@ -144,6 +154,9 @@ def run_phase(server: Server, retention_ms: int, messages: int, rate: float, sec
         time.sleep(0.5)
     finally:
         worker.stop(10_000)
+    calls_after, cpu_after = server.cost()
+    calls = {name: n - calls_before.get(name, 0) for name, n in calls_after.items()}
+    calls = {name: round(n / sent, 2) for name, n in sorted(calls.items(), key=lambda c: -c[1]) if n}
     held, marks_bytes = _marks(server.client, namespace)
     with_marks = server.used()
     for keys in _chunks(list(server.client.scan_iter(f"{namespace}:gp:done:*", count=1000)), 1000):
@@ -157,6 +170,9 @@ def run_phase(server: Server, retention_ms: int, messages: int, rate: float, sec
         "marks_held": held,
         "redis_bytes_per_done_message": round(marks_bytes / held, 1),
         "used_memory_per_done_message": round(freed / held, 1),
+        "redis_cpu_us_per_message": round((cpu_after - cpu_before) * 1e6 / sent, 1),
+        "redis_scripts_per_message": round(sum(n for c, n in calls.items() if c.startswith("eval")), 2),
+        "redis_calls_per_message": calls,
     }
 
 
@@ -215,6 +231,9 @@ def main(argv: list[str]) -> int:
         "baseline_bytes_per_done_message": baseline["redis_bytes_per_done_message"],
         "baseline_used_memory_per_done_message": baseline["used_memory_per_done_message"],
         "ratio": round(ours / baseline["redis_bytes_per_done_message"], 3),
+        "redis_cpu_us_per_message": steady["redis_cpu_us_per_message"],
+        "redis_scripts_per_message": steady["redis_scripts_per_message"],
+        "redis_calls_per_message": steady["redis_calls_per_message"],
         "steady_marks_held": steady["marks_held"],
         "steady_messages": steady["messages"],
         "steady_retention_s": args.retention,
