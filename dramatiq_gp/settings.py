@@ -8,6 +8,7 @@ value, with secrets redacted.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -151,8 +152,78 @@ class WorkerSettings(BaseSettings):
         return self
 
 
+def parse_sentinels(value: object) -> tuple[tuple[str, int], ...] | None:
+    """Parse ``sentinel-1:26379,sentinel-2:26379`` into ``(("sentinel-1", 26379), ("sentinel-2", 26379))``.
+
+    An IPv6 address goes in brackets (``[::1]:26379``): unbracketed, its last colon
+    could be the port's or the address's own.
+    """
+    if value is None or isinstance(value, tuple):
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected host:port pairs separated by commas, e.g. sentinel-1:26379,sentinel-2:26379")
+    sentinels: list[tuple[str, int]] = []
+    for item in value.split(","):
+        entry = item.strip()
+        if "@" in entry or "://" in entry:
+            # Said without the entry: it may hold a password (the error line shows the variable redacted).
+            raise ValueError(
+                "give host:port pairs only: the Sentinels' credentials are VALKEY_SENTINEL_USERNAME and "
+                "VALKEY_SENTINEL_PASSWORD, the data's VALKEY_USERNAME and VALKEY_PASSWORD"
+            )
+        host, sep, port = entry.rpartition(":")
+        bracketed = host.startswith("[") and host.endswith("]")
+        host = host[1:-1] if bracketed else host
+        if ":" in host and not bracketed:
+            raise ValueError(f"entry {entry!r}: put an IPv6 address in brackets, e.g. [::1]:26379")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or re.search(r"[\s/@]", host):
+            raise ValueError(f"entry {entry!r} is not host:port (e.g. sentinel-1:26379)")
+        if (host, int(port)) in sentinels:
+            raise ValueError(f"entry {entry!r} is listed twice")
+        sentinels.append((host, int(port)))
+    return tuple(sentinels)
+
+
+def _master_name(name: str) -> str:
+    if not name or re.search(r"\s", name):
+        raise ValueError("expected the name the Sentinels monitor the primary under (no spaces), e.g. mymaster")
+    return name
+
+
+#: How long a Sentinel may take to accept a connection or answer, unless the caller gave a timeout: it
+#: is asked for the primary at every new connection, and one that hangs would stall each of them.
+SENTINEL_TIMEOUT_S = 2.0
+
+
+@functools.cache
+def _sentinel_pool_class() -> type:
+    """redis-py's Sentinel pool, whose full disconnect also closes its connections to the Sentinels.
+
+    The kit closes a client by disconnecting its pool; the Sentinels' own clients
+    would otherwise keep their sockets until the garbage collector finds them.
+    Built on first use, so that reading the settings does not import redis.
+    """
+    from redis.sentinel import SentinelConnectionPool
+
+    class KitSentinelPool(SentinelConnectionPool):
+        def disconnect(self, inuse_connections: bool = True) -> None:
+            super().disconnect(inuse_connections)
+            # A partial disconnect is redis-py's own, on a change of primary: the Sentinels stay.
+            if inuse_connections:
+                for sentinel in self.sentinel_manager.sentinels:
+                    sentinel.connection_pool.disconnect()
+
+    return KitSentinelPool
+
+
 class RedisSettings(BaseSettings):
-    """``VALKEY_*`` (or ``REDIS_URL``): the Redis/Valkey server the queues live on."""
+    """``VALKEY_*`` (or ``REDIS_URL``): the Redis/Valkey server the queues live on.
+
+    One server at ``VALKEY_ADDR`` or ``REDIS_URL``, or a primary found through
+    Sentinel (``VALKEY_SENTINELS``): then every connection asks the Sentinels
+    where the primary is, so a client follows a failover on its next connection,
+    without a restart.
+    """
 
     model_config = SettingsConfigDict(env_prefix="VALKEY_", extra="ignore", populate_by_name=True)
 
@@ -168,10 +239,20 @@ class RedisSettings(BaseSettings):
     url: SecretStr | None = Field(default=None, validation_alias="REDIS_URL")
     #: Prefix of every key (Dramatiq's queues and the kit's own), so apps can share a server.
     namespace: str = Field(default="dramatiq", pattern=r"^[A-Za-z0-9_.\-]+$")
+    #: The Sentinels to ask for the primary, instead of ``addr``/``url``; the data connection
+    #: takes ``username``, ``password``, ``db`` and the TLS options above.
+    sentinels: Annotated[tuple[tuple[str, int], ...] | None, NoDecode, BeforeValidator(parse_sentinels)] = None
+    #: The name the Sentinels monitor the primary under (``sentinel monitor <name> ...``).
+    sentinel_master: Annotated[str, AfterValidator(_master_name)] = "mymaster"
+    #: The Sentinels' own credentials (``requirepass``/ACL of the Sentinels), not the data's.
+    sentinel_username: str | None = None
+    sentinel_password: SecretStr | None = None
 
     @model_validator(mode="after")
     def _one_address(self) -> RedisSettings:
-        if self.url is not None:
+        if self.sentinels is not None:
+            self._sentinel_only()
+        elif self.url is not None:
             if "addr" in self.model_fields_set:
                 raise ValueError("set either REDIS_URL or VALKEY_ADDR, not both")
             url = self.url.get_secret_value()
@@ -190,18 +271,50 @@ class RedisSettings(BaseSettings):
             host, sep, port = self.addr.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"VALKEY_ADDR={self.addr!r} is not host:port")
+        if self.sentinels is None:
+            # Without Sentinels they would be ignored without a word: a password that is never sent, say.
+            orphans = [
+                f"VALKEY_{name.upper()}"
+                for name in ("sentinel_master", "sentinel_username", "sentinel_password")
+                if name in self.model_fields_set
+            ]
+            if orphans:
+                raise ValueError(
+                    f"{', '.join(orphans)} set without VALKEY_SENTINELS: give the Sentinels too, or unset them"
+                )
         tls_options = [
             f"VALKEY_{name.upper()}" for name in ("tls_ca_file", "tls_insecure") if name in self.model_fields_set
         ]
-        if tls_options and not self.connection_url().startswith("rediss://"):
+        if tls_options and not self._uses_tls():
             # They only apply to a TLS connection; on any other they would be ignored without a word.
             raise ValueError(
                 f"{', '.join(tls_options)} set but the connection is not TLS: set VALKEY_TLS=true (or use rediss://)"
             )
         return self
 
+    def _sentinel_only(self) -> None:
+        """Behind Sentinel the Sentinels say where the primary is: an address of its own would contradict them."""
+        if self.url is not None:
+            raise ValueError(
+                "set either VALKEY_SENTINELS or REDIS_URL, not both "
+                "(behind Sentinel the password and database are VALKEY_PASSWORD and VALKEY_DB)"
+            )
+        if "addr" in self.model_fields_set:
+            raise ValueError("set either VALKEY_SENTINELS or VALKEY_ADDR, not both (the Sentinels name the primary)")
+
+    def _uses_tls(self) -> bool:
+        if self.url is not None and self.sentinels is None:
+            return self.connection_url().startswith("rediss://")
+        return self.tls
+
     def connection_url(self) -> str:
-        """The URL to connect with, password included: never log it, use :meth:`display`."""
+        """The URL to connect with, password included: never log it, use :meth:`display`.
+
+        Raises:
+            ConfigError: behind Sentinel, where no one URL reaches the primary (:meth:`client` asks the Sentinels).
+        """
+        if self.sentinels is not None:
+            raise ConfigError("VALKEY_SENTINELS is set: the primary has no fixed URL; use RedisSettings.client()")
         if self.url is not None:
             url = self.url.get_secret_value()
             for old, new in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
@@ -209,21 +322,33 @@ class RedisSettings(BaseSettings):
                     url = new + url[len(old) :]
             return url
         scheme = "rediss" if self.tls else "redis"
-        auth = ""
-        if self.username or self.password:
-            password = self.password.get_secret_value() if self.password else ""
-            auth = f"{quote(self.username or '', safe='')}:{quote(password, safe='')}@"
-        return f"{scheme}://{auth}{self.addr}/{self.db}"
+        return f"{scheme}://{self._auth(self.password)}{self.addr}/{self.db}"
+
+    def _auth(self, password: SecretStr | None) -> str:
+        if not (self.username or password):
+            return ""
+        secret = password.get_secret_value() if password else ""
+        return f"{quote(self.username or '', safe='')}:{quote(secret, safe='')}@"
 
     def display(self) -> str:
-        """Where we connect, safe for logs: the URL with the password replaced by ``***``."""
+        """Where we connect, safe for logs: the URL with the password replaced by ``***``.
+
+        Behind Sentinel, ``redis+sentinel://<sentinels>/<master name>/<db>``: the
+        Sentinels' password is left out, the data's shown as ``***``.
+        """
+        if self.sentinels is not None:
+            scheme = "rediss+sentinel" if self.tls else "redis+sentinel"
+            hosts = ",".join(f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.sentinels)
+            user = quote(self.username or "", safe="")
+            auth = f"{user}:***@" if self.password else f"{user}@" if user else ""
+            return f"{scheme}://{auth}{hosts}/{self.sentinel_master}/{self.db}"
         return redact_url(self.connection_url())
 
     def client_options(self) -> dict[str, Any]:
         """Options for :func:`redis.Redis.from_url` that a URL cannot carry (TCP keepalive, TLS)."""
-        url = self.connection_url()
-        options: dict[str, Any] = {} if url.startswith("unix://") else {"socket_keepalive": True}
-        if url.startswith("rediss://"):
+        unix = self.sentinels is None and self.connection_url().startswith("unix://")
+        options: dict[str, Any] = {} if unix else {"socket_keepalive": True}
+        if self._uses_tls():
             if self.tls_ca_file:
                 options["ssl_ca_certs"] = self.tls_ca_file
             if self.tls_insecure:
@@ -231,10 +356,34 @@ class RedisSettings(BaseSettings):
         return options
 
     def client(self, **options: Any) -> redis.Redis:
-        """A client for this server; ``options`` (timeouts, say) go to :func:`redis.Redis.from_url`."""
+        """A client for this server; ``options`` (timeouts, say) go to :func:`redis.Redis.from_url`.
+
+        Behind Sentinel, a client of the primary from ``Sentinel.master_for``: each
+        new connection asks the Sentinels where the primary is, and a connection to
+        a primary that is gone or demoted is dropped (redis-py retries the command on
+        a new one), so the client follows a failover by itself. The Sentinels take
+        the caller's socket timeouts, or :data:`SENTINEL_TIMEOUT_S`.
+        """
         import redis
 
-        return redis.Redis.from_url(self.connection_url(), **{**self.client_options(), **options})
+        if self.sentinels is None:
+            return redis.Redis.from_url(self.connection_url(), **{**self.client_options(), **options})
+        from redis.sentinel import Sentinel
+
+        tls = {"ssl": True, **self.client_options()} if self.tls else self.client_options()
+        timeouts = {
+            name: options.get(name, SENTINEL_TIMEOUT_S) for name in ("socket_connect_timeout", "socket_timeout")
+        }
+        secret = self.sentinel_password.get_secret_value() if self.sentinel_password else None
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            self.sentinels,
+            sentinel_kwargs={**tls, **timeouts, "username": self.sentinel_username, "password": secret},
+        )
+        password = self.password.get_secret_value() if self.password else None
+        data = {**tls, "db": self.db, "username": self.username, "password": password}
+        return sentinel.master_for(  # type: ignore[no-untyped-call,no-any-return]
+            self.sentinel_master, connection_pool_class=_sentinel_pool_class(), **{**data, **options}
+        )
 
 
 class RabbitmqSettings(BaseSettings):
@@ -439,6 +588,12 @@ class SchedulerSettings(BaseSettings):
     #: A tick fired less than this late is on time, not missed: it fires whatever the
     #: catch-up policy (Quartz's ``misfireThreshold``). At most the catch-up grace.
     misfire_threshold: Duration = timedelta(seconds=60)
+    #: How many replicas must hold a tick's claim before its message is sent, so that a
+    #: failover cannot lose the claim and fire the tick again; unset: 1 behind Sentinel
+    #: (``VALKEY_SENTINELS``), else 0 (no wait: a lone server has no replica to wait for).
+    claim_replicas: int | None = Field(default=None, ge=0)
+    #: How long a claim waits for them; past it, the tick is kept and sent once they have it.
+    claim_timeout: Duration = Field(default=timedelta(seconds=1), ge=timedelta(milliseconds=10))
 
     @model_validator(mode="after")
     def _lease_bounds(self) -> SchedulerSettings:
@@ -673,6 +828,8 @@ def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:
         value = error.get("input")
         if info is not None and info.annotation is not None and "SecretStr" in str(info.annotation):
             shown = redact_url(str(value)) if "://" in str(value) else "***"
+        elif isinstance(value, str) and "@" in value:  # credentials written into an address list (VALKEY_SENTINELS)
+            shown = re.sub(r"[^,@]*@", "***@", value)
         elif isinstance(value, timedelta):  # a duration is checked once parsed: show it as it was written
             shown = format_duration(value)
         else:

@@ -34,6 +34,12 @@ tick whose publish failed, or whose leader died, is published late rather than
 never; published twice (the confirm came, the removal did not), its two copies
 carry the tick's message id, and idempotent execution runs one. The runner does not
 know which of the two it fires through: the outlet, chosen once from the broker, does.
+Behind replicas (``SCHEDULER_CLAIM_REPLICAS``, 1 by default behind Sentinel) both
+keep the message in ``unpublished`` and send it only once a replica acknowledged
+the claim (``WAIT``), so a failover cannot lose a claim whose message may have
+run; a claim not acknowledged in time ends the firing ``not_durable``, and the
+takeover pass that follows sends it once a replica has it (the outlet's docstring
+reasons it through).
 APScheduler's own misfire handling is off (``misfire_grace_time=None``,
 ``coalesce=False``): while this process leads, every due tick fires, late if need
 be. What a new leader fires of the ticks missed during a takeover is decided from
@@ -77,13 +83,14 @@ from ..registry import Registry, idempotent_option, send_all
 from ..settings import SchedulerSettings
 from .executor import TickExecutor
 from .lease import Lease
-from .outlet import Tick, outlet_for
+from .outlet import Tick, TickNotDurable, outlet_for
 from .schedule import Entry, Schedule
 from .status import scheduler_status
 from .triggers import SpecTrigger, first_at_or_after, following, just_after, upcoming
 
-#: Redis, or a broker whose queues are elsewhere, out of reach: try again (a takeover publishes what was claimed).
-_UNREACHABLE = (redis.RedisError, BrokerConnectionError)
+#: Redis, or a broker whose queues are elsewhere, out of reach, or claims no replica acknowledged: try again
+#: (a takeover sends what was claimed).
+_UNREACHABLE = (redis.RedisError, BrokerConnectionError, TickNotDurable)
 
 
 #: A tick's claim key outlives the catch-up grace by this much (older ticks never fire).
@@ -140,9 +147,13 @@ class Runner:
         self.keys = keys.SchedulerKeys(namespace)
         self.covered_key = self.keys.last_fired
         self.lease = Lease(broker.client, self.keys, settings.lease_ttl.total_seconds(), self._leadership_changed)
-        #: Where fired ticks go: pushed in the claim's Lua call, or published after it.
+        #: Where fired ticks go: pushed in the claim's Lua call, or sent after it (and after a replica has it).
         self.outlet = outlet_for(
-            broker, self.keys, int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS
+            broker,
+            self.keys,
+            int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS,
+            replicas=settings.claim_replicas,
+            wait_ms=max(1, round(settings.claim_timeout.total_seconds() * 1000)),
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -272,7 +283,7 @@ class Runner:
             try:
                 caught_up = self._take_over()
             except _UNREACHABLE as exc:
-                self.logger.warning("schedule runner: Redis or the broker unreachable, retrying: %s", exc)
+                _warn_retrying(self.logger, exc)
                 self._stale.set()  # look at the last fired ticks again
                 self._stop.wait(1)
                 continue
@@ -339,7 +350,7 @@ class Runner:
                     self._timer.pause()
                     return
             except _UNREACHABLE as exc:
-                self.logger.warning("schedule runner: Redis or the broker unreachable, retrying: %s", exc)
+                _warn_retrying(self.logger, exc)
                 # The timer moves on; the takeover's catch-up, from the last fired ticks, does not.
                 self._timer.pause()
                 self._stale.set()
@@ -355,7 +366,12 @@ class Runner:
         self.broker.client.hset(self.keys.upcoming, entry.name, json.dumps(times))
 
     def _fire(self, entry: Entry, tick: datetime, *, catching_up: bool = False) -> bool:
-        """Enqueue ``entry``'s ``tick``; False when this process turns out not to lead."""
+        """Enqueue ``entry``'s ``tick``; False when this process turns out not to lead.
+
+        Raises:
+            TickNotDurable: claimed, but no replica acknowledged the claim in time; kept, to be
+                sent by the takeover pass the caller starts (see :mod:`~dramatiq_gp.scheduler.outlet`).
+        """
         lease = self.lease.value
         if lease is None or not self.lease.is_held():
             return False
@@ -379,6 +395,12 @@ class Runner:
             return False
         counted = "caught_up" if outcome == "fired" and catching_up else outcome
         instruments().scheduler_ticks.add(1, {"entry": entry.name, "outcome": counted})
+        if outcome == "not_durable":
+            raise TickNotDurable(
+                f"{entry.name} tick {tick.isoformat()} claimed, but fewer than the {self.outlet.replicas} replica(s) "
+                f"of SCHEDULER_CLAIM_REPLICAS acknowledged the claim within SCHEDULER_CLAIM_TIMEOUT: kept, and sent "
+                "once they have it (0 fires without waiting, and a failover may then fire a tick twice)"
+            )
         if outcome == "paused":
             self.logger.debug("schedule runner: %s is paused: tick %s not fired", entry.name, tick.isoformat())
         if outcome == "fired":
@@ -406,6 +428,13 @@ class Runner:
             message_id=message_id,
             message_timestamp=int(time.time() * 1000),
         )
+
+
+def _warn_retrying(logger: logging.Logger, exc: BaseException) -> None:
+    if isinstance(exc, TickNotDurable):
+        logger.warning("schedule runner: retrying: %s", exc)
+    else:
+        logger.warning("schedule runner: Redis or the broker unreachable, retrying: %s", exc)
 
 
 def _fan_out_fn(registry: Registry, broker: KitBroker) -> Any:
