@@ -4,6 +4,11 @@ For the failover tests (``tests/test_sentinel.py``): the system's ``redis-server
 ``redis-server <conf> --sentinel``), short failure detection so a failover takes
 seconds, every process's files and log in one directory, and every process
 killed by :meth:`SentinelGroup.stop` whatever state the test left them in.
+
+The replicas reach the primary through a :class:`LagProxy`, which can hold back what
+the primary sends them: on loopback replication is all but instant, and a kill -9
+alone almost never catches a write the replicas lack. Held, then cut with the
+primary, the stream shows what a failover does when the replicas are behind.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +35,80 @@ T = TypeVar("T")
 def redis_server() -> str | None:
     """The system's ``redis-server``, or None."""
     return shutil.which("redis-server")
+
+
+class LagProxy:
+    """The primary's address as everyone sees it: a TCP proxy that can hold back the replication stream.
+
+    The Sentinels monitor it, the replicas replicate through it and clients connect
+    through it, so the replicas name the same primary address as the Sentinels (a
+    replica naming another one is put right by a Sentinel within its failover
+    timeout). A connection that sends ``PSYNC`` is a replica's: :meth:`hold` drops
+    what the primary sends on those from then on (the replicas stay connected,
+    their acknowledgements stop advancing), and :meth:`cut` closes everything, as
+    the death of the primary does.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = server_port()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._held = threading.Event()
+        self._cut = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="lag-proxy", daemon=True).start()
+
+    def hold(self) -> None:
+        self._held.set()
+
+    def cut(self) -> None:
+        self._cut.set()
+        with self._lock:
+            for sock in [self._listener, *self._sockets]:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _accept(self) -> None:
+        while not self._cut.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=1)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            replication = threading.Event()
+            threading.Thread(target=self._up, args=(client, server, replication), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, replication), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, replication: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if b"PSYNC" in data.upper():
+                    replication.set()
+                server.sendall(data)
+        self._close(client, server)
+
+    def _down(self, server: socket.socket, client: socket.socket, replication: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if not (replication.is_set() and self._held.is_set()):
+                    client.sendall(data)
+        self._close(client, server)
+
+    @staticmethod
+    def _close(*sockets: socket.socket) -> None:
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 class SentinelGroup:
@@ -55,7 +136,13 @@ class SentinelGroup:
         self.data_ports = [server_port() for _ in range(1 + replicas)]
         self.sentinel_ports = [server_port() for _ in range(sentinels)]
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.proxy: LagProxy | None = None
         directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def primary_port(self) -> int:
+        """The first primary's own port (the Sentinels and the replicas know it by :attr:`proxy`'s)."""
+        return self.data_ports[0]
 
     @property
     def sentinels_env(self) -> str:
@@ -65,11 +152,12 @@ class SentinelGroup:
     def start(self) -> None:
         primary, *replicas = self.data_ports
         self._data_server(primary)
+        self.proxy = LagProxy(primary)
         for port in replicas:
-            self._data_server(port, "--replicaof", "127.0.0.1", str(primary))
+            self._data_server(port, "--replicaof", "127.0.0.1", str(self.proxy.port))
         self._until(lambda: self.connected_replicas(primary) == len(replicas), "the replicas to sync")
         for port in self.sentinel_ports:
-            self._sentinel(port, primary)
+            self._sentinel(port, self.proxy.port)
         # Each Sentinel must know its peers (a quorum) and the replicas (the ones to promote).
         self._until(
             lambda: all(self._sentinel_sees_all(port) for port in self.sentinel_ports),
@@ -77,6 +165,8 @@ class SentinelGroup:
         )
 
     def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.cut()
         for process in self.processes.values():
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
@@ -85,8 +175,13 @@ class SentinelGroup:
         self.processes.clear()
 
     def kill(self, port: int) -> None:
-        """``kill -9`` the server on ``port``."""
-        self.processes[port].send_signal(signal.SIGKILL)
+        """``kill -9`` the server on ``port`` (the proxy's: the first primary, and the proxy is cut)."""
+        if self.proxy is not None and port == self.proxy.port:
+            port = self.primary_port
+            self.processes[port].send_signal(signal.SIGKILL)
+            self.proxy.cut()
+        else:
+            self.processes[port].send_signal(signal.SIGKILL)
         self.processes[port].wait(10)
 
     def primary(self) -> int:
