@@ -267,15 +267,17 @@ class Runner:
 
     def _run(self) -> None:
         """Gate the timer: paused unless this process leads, resumed once a takeover caught up."""
-        leading_epoch = None
+        # The lease value, not its epoch: a failover can roll the epoch counter back, so one number
+        # may name two acquisitions; the random token in the value tells them apart.
+        leading = None
         while not self._stop.is_set():
             self._wake.clear()
             if not self.lease.is_held():
                 self._timer.pause()
-                leading_epoch = None
+                leading = None
                 self._wake.wait(MAX_SLEEP_S)
                 continue
-            if leading_epoch == self.lease.epoch and not self._stale.is_set():
+            if leading == self.lease.value and not self._stale.is_set():
                 self._wake.wait(MAX_SLEEP_S)
                 continue
             self._timer.pause()
@@ -288,7 +290,7 @@ class Runner:
                 self._stop.wait(1)
                 continue
             if caught_up and self.lease.is_held():
-                leading_epoch = self.lease.epoch
+                leading = self.lease.value
                 self._timer.resume()
 
     def _take_over(self) -> bool:
