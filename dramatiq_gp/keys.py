@@ -204,7 +204,8 @@ class SchedulerKeys:
 
     @property
     def unpublished(self) -> str:
-        """``<entry>:<tick ms>`` → a claimed tick's message not yet confirmed by a broker other than Redis (a hash)."""
+        """``<entry>:<tick ms>`` → a claimed tick's message not yet sent: unconfirmed by RabbitMQ, or its claim
+        not yet on a replica (``SCHEDULER_CLAIM_REPLICAS``) (a hash)."""
         return f"{self.prefix}:unpublished"
 
     @property

@@ -20,7 +20,7 @@ Instrument                          Kind       Attributes
 ``dramatiq_gp.outbox.oldest_age``   gauge      seconds since the oldest pending row was written
 ``dramatiq_gp.scheduler.leader``    gauge      1 in the process holding the lease, else 0
 ``dramatiq_gp.scheduler.ticks``     counter    ``entry``, ``outcome`` (``fired``, ``caught_up``,
-                                               ``deduplicated``)
+                                               ``deduplicated``, ``paused``, ``not_durable``)
 ==================================  =========  ================================================
 """
 
