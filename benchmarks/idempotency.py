@@ -20,6 +20,10 @@ each one round trip), ``redis_bytes_per_done_message``, the memory of every done
 is the layout the kit had before, one key per message id (``SET <ns>:gp:done:<id>
 done PX <retention>``), written for as many ids on the same server; ``ratio`` is
 ours over it.
+
+With ``--broker rabbitmq`` the queue is on RabbitMQ (``--rabbitmq-url``, a queue
+named after the run, deleted after it), and the Redis holds only what the kit
+keeps there: the claims, the done marks and the records for the dashboard.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
@@ -36,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from benchmarks.outbox_common import DEFAULT_RABBITMQ_URL
 
 DEFAULT_RETENTION_MS = 86_400_000
 
@@ -109,9 +116,10 @@ def _marks(client: redis.Redis, namespace: str) -> tuple[int, int]:
     return held, used
 
 
-def run_phase(server: Server, retention_ms: int, messages: int, rate: float, seconds: float) -> dict[str, Any]:
+def run_phase(
+    server: Server, retention_ms: int, messages: int, rate: float, seconds: float, rabbitmq_url: str | None
+) -> dict[str, Any]:
     """Send idempotent no-op messages through a worker; the done marks they leave and what they cost."""
-    import os
 
     import dramatiq
 
@@ -119,11 +127,14 @@ def run_phase(server: Server, retention_ms: int, messages: int, rate: float, sec
 
     namespace = f"gpbench-{uuid.uuid4().hex[:8]}"
     os.environ["REDIS_URL"] = server.url
+    if rabbitmq_url:
+        os.environ["BROKER_URL"] = rabbitmq_url
     os.environ["WORKER_DEDUP_RETENTION"] = f"{retention_ms}ms"
     os.environ["LOG_LEVEL"] = "WARN"
     kit = gp.Kit(registry=gp.Registry(), broker_options={"namespace": namespace})
 
-    @dramatiq.actor(broker=kit.broker, actor_name="noop", idempotent=True)
+    # A queue of its own: on a shared RabbitMQ, nothing else reads or deletes it.
+    @dramatiq.actor(broker=kit.broker, actor_name="noop", queue_name=namespace, idempotent=True)
     def noop(n: int) -> None:
         pass
 
@@ -147,10 +158,10 @@ def run_phase(server: Server, retention_ms: int, messages: int, rate: float, sec
                 for _ in range(min(1000, messages - sent)):
                     noop.send(sent)
                     sent += 1
-                while sent - pipe_at > 20_000 and kit.broker.client.llen(f"{namespace}:default") > 5_000:
+                while sent - pipe_at > 20_000 and sum(kit.broker.get_queue_message_counts(namespace)) > 5_000:
                     time.sleep(0.1)
                 pipe_at = sent
-        kit.broker.join("default", timeout=600_000)
+        kit.broker.join(namespace, timeout=600_000)
         time.sleep(0.5)
     finally:
         worker.stop(10_000)
@@ -165,6 +176,10 @@ def run_phase(server: Server, retention_ms: int, messages: int, rate: float, sec
     for keys in _chunks(list(server.client.scan_iter(f"{namespace}:*", count=1000)), 1000):
         server.client.delete(*keys)
     kit.broker.close()
+    if rabbitmq_url:
+        from benchmarks.outbox_common import delete_rabbitmq_queues
+
+        delete_rabbitmq_queues(rabbitmq_url, namespace)
     return {
         "messages": sent,
         "marks_held": held,
@@ -208,14 +223,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rate", type=float, default=1000, help="messages per second of the steady phase")
     parser.add_argument("--seconds", type=float, default=60, help="length of the steady phase")
     parser.add_argument("--retention", type=float, default=12, help="retention of the steady phase, in seconds")
+    parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis", help="where the queue lives")
+    parser.add_argument("--rabbitmq-url", default=os.environ.get("RABBITMQ_URL", DEFAULT_RABBITMQ_URL))
     args = parser.parse_args(argv)
+    rabbitmq_url = args.rabbitmq_url if args.broker == "rabbitmq" else None
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="gp-bench-redis-") as directory:
         server = Server(Path(directory))
         try:
-            default = run_phase(server, DEFAULT_RETENTION_MS, args.messages, 0, 0)
+            default = run_phase(server, DEFAULT_RETENTION_MS, args.messages, 0, 0, rabbitmq_url)
             print(f"default retention: {default}", flush=True)
-            steady = run_phase(server, int(args.retention * 1000), 0, args.rate, args.seconds)
+            steady = run_phase(server, int(args.retention * 1000), 0, args.rate, args.seconds, rabbitmq_url)
             print(f"steady, {args.retention:g} s retention at {args.rate:g}/s: {steady}", flush=True)
             baseline = run_baseline(server, default["marks_held"], DEFAULT_RETENTION_MS)
             print(f"baseline, one key per id: {baseline}", flush=True)
@@ -224,6 +242,7 @@ def main(argv: list[str]) -> int:
             server.stop()
     ours = default["redis_bytes_per_done_message"]
     summary = {
+        "broker": args.broker,
         "redis": f"{version} ({allocator})",
         "redis_bytes_per_done_message": ours,
         "redis_bytes_per_done_message_steady": steady["redis_bytes_per_done_message"],
