@@ -20,7 +20,8 @@ default 24 h. So the marks are packed instead:
   whatever their clocks say.
 
 A digest of 96 bits stands for the id: two ids share one with a chance of 2⁻⁹⁶ per
-pair, some 10⁻¹³ for a message against a day of marks at 1,000 messages/s.
+pair, about 10⁻²¹ for a message against a day of marks at 1,000 messages/s, and
+10⁻¹⁰ that it happens to any message in a year of that.
 
 The scripts that write marks (the Redis broker's settle, the RabbitMQ broker's
 record) and the one that reads them (the idempotency claim) are each prepended
