@@ -1,8 +1,9 @@
 """The shop under load and faults: nothing lost, nothing applied twice, every tick once.
 
 Starts its own Redis and PostgreSQL (so it can restart them) and three replicas of
-``dramatiq benchmarks.soak_worker`` (the shop plus score-keeping), each with two
-worker processes. A load thread places orders in transactions at a steady rate;
+``dramatiq benchmarks.soak_worker`` (the shop plus score-keeping), each with one
+worker process of eight threads (``--processes``, ``--threads``). Load threads
+(``--load-threads``, two) place orders, one transaction each, on a steady schedule;
 the schedule fires a job and an event ``@every 1s``. Meanwhile faults are injected in turn:
 ``kill -9`` of a random replica and of the scheduler leader's replica, a rolling
 SIGTERM restart of every replica, a Redis restart, a PostgreSQL restart, the
@@ -18,6 +19,33 @@ the rotation, too, six times a run (every sixth of it, from 45 s), a worker is
 killed between an inbox commit and its ack: the next ``audit`` run to commit
 SIGKILLs its own process before acking (``kill_after_commit``), and its replica is
 started again.
+
+``--rate`` is in messages per second across the queues (100 by default): the load
+places ``rate / 5`` orders a second, as one order makes five messages (the
+``OrderPlaced`` fan-out, ``send_confirmation``, ``record_sale``, and two ``audit``
+attempts on average), or ``rate / 9`` with ``--deploys`` (the ``soak.parcel``
+fan-out and its two or three listeners besides); ``messages_per_order`` reports
+what a run measured. ``--orders-per-second`` sets the orders instead (what
+``--rate`` meant before). The schedule adds three messages a second.
+
+The replicas run with ``WORKER_DEDUP_RETENTION`` set by ``--dedup-retention`` (2
+minutes by default, so that the done marks' window is full early in a run; ``24h``
+is the kit's default), and with what let 2 cores carry the most, all of it
+measured on 2 cores at 1,000 messages/s (``TUNING``, ``PROCESSES``, ``THREADS``):
+
+* the relays poll every 50 to 200 ms instead of waking at every commit
+  (``OUTBOX_NOTIFY=false``, ``OUTBOX_POLL_INTERVAL_MIN``/``_MAX``): with a relay in
+  every worker process woken by each of 200 commits a second, most rounds found
+  nothing, and the relays took more CPU than the listeners (a 2-minute run asked
+  for 200 orders a second placed 65 with it, the machine saturated, and 192 without);
+* one worker process of eight threads per replica instead of two of four: 1.2 ms of
+  a worker's CPU a message instead of 1.45, and 720 messages/s against 575;
+* settles gathered for 5 ms (``WORKER_SETTLE_WINDOW``); a connection pool with one
+  connection for each thread and for the relay, the scheduler and the inbox pruning
+  (``SOAK_POOL_SIZE``), without a ping before each use (``SOAK_POOL_PRE_PING=false``:
+  after the PostgreSQL restart the first use of each pooled connection fails, and
+  its task is retried); ``audit``'s own failures logged without their traceback.
+  Together with the above: 900 messages/s in a 2-minute run, against 720.
 
 When the time is up the load stops, the system settles, and the ledger is read:
 
@@ -40,7 +68,42 @@ When the time is up the load stops, the system settles, and the ledger is read:
   in no dead-letter set or queue (``unknown_task_skipped``: those skipped into the
   dead-letter set after their grace, as counted for ``dramatiq-gp status``);
 * ``set_aside`` against ``poison_events``; ``rss_mb_start`` (minute 2) and
-  ``rss_mb_end``: the largest worker process.
+  ``rss_mb_end``: the largest worker process; ``rss_mb_per_worker_start`` and
+  ``rss_mb_per_worker_end``: the median and the largest of every worker process then
+  (``n`` of them; a replica restarted by a fault shortly before has a young process);
+* ``messages_per_s``: messages the workers started while the load ran, per second,
+  across the queues (retries, ticks and copies the inbox skipped included; copies the
+  idempotency claim skips never start), beside ``orders_per_s`` (and
+  ``orders_per_s_target``) and ``messages_per_order``: the messages of orders
+  (``OrderPlaced`` and ``soak.parcel`` fan-outs and listeners) started in the whole
+  run over the orders committed. The workers note each message they start
+  (``SOAK_SAMPLES_DIR``, :class:`benchmarks.soak_worker.StartSamples`);
+* ``queue_wait_ms_p50`` and ``queue_wait_ms_p99``: from the time a message was due
+  (its ``message_timestamp``, or its ``eta`` for a retry or a delayed one) to its
+  start in a worker, over the messages due while the load ran. The faults are in it:
+  a ``kill -9``'d replica's prefetched messages wait out the 60 s heartbeat timeout;
+* ``commit_to_listener_ms_p50`` and ``commit_to_listener_ms_p99``: from an order's
+  commit (as the load saw it return) to the start of the ``record_sale`` transaction
+  that recorded its sale (``shop_sales.recorded_at``, the database's ``now()`` there);
+* ``relay_lag_ms_p50`` and ``relay_lag_ms_p99``: from an outbox row's ``created_at``
+  (its transaction's start) to its ``published_at`` (the relay's claim of it, just
+  before it enqueues the batch), over the rows of the orders still kept
+  (``OUTBOX_RETENTION``, an hour);
+* ``redis_used_mb_start``, ``redis_used_mb_window_full`` and ``redis_used_mb_end``:
+  the soak's Redis ``used_memory`` (INFO memory, sampled every 10 s) as the load
+  started, at the first sample once the done marks' window was full
+  (``redis_window_full_s``: 1.5 retentions after the load started; a mark is kept
+  at most a quarter of the retention longer than the retention), and as the load
+  stopped; ``redis_used_mb_slope_per_min``: its least-squares slope over the samples
+  from then to the end of the load, which should be about 0 (the marks expire in
+  slices of a quarter of the retention, so memory saw-tooths around its level; each
+  ``garbage_message`` fault adds a dead letter of 100 kB). None when the run is too
+  short for three samples after the window is full. Messages stored in Redis count
+  in it too: ``redis_stored_messages_window_full`` and ``redis_stored_messages_end``
+  are those in the queues, delay queues and dead-letter sets then (on Redis; 0 on
+  RabbitMQ): a backlog that grows (the workers not keeping up) and, with
+  ``--deploys``, the copies for retired listeners, dead-lettered and kept for
+  Dramatiq's 7 days, grow it whatever the done marks do.
 
 ``--deploys`` adds rolling deploys, every minute from 30 s: each replica in turn is
 stopped with SIGTERM and started again as the next version (``SOAK_VERSION``), as a
@@ -71,10 +134,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,16 +148,44 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from benchmarks.soak_tables import parcel_listeners
-from dramatiq_gp.keys import SchedulerKeys, done_prefix
+from dramatiq_gp.durations import parse_duration
+from dramatiq_gp.keys import SchedulerKeys
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICAS = 3
+#: Worker processes and threads per replica (``--processes``, ``--threads``).
+PROCESSES, THREADS = 1, 8
+#: Database connections a worker process keeps beyond one per thread: the relay's, the scheduler's, the inbox pruning's.
+POOL_SPARE = 4
+#: Threads placing orders, each its share of the rate (``--load-threads``).
+LOAD_THREADS = 2
+#: ``--dedup-retention``: short, so that the done marks' window is full early in a run.
+DEDUP_RETENTION = "2m"
+#: How often the soak's Redis ``used_memory`` is sampled; and when, in retentions after the load
+#: started, the done marks' window is taken to be full: a mark is kept at most a quarter of the
+#: retention longer than the retention (:mod:`dramatiq_gp.brokers.done_marks`), and a margin.
+REDIS_SAMPLE_S, WINDOW_FULL = 10.0, 1.5
+#: Where messages are stored in Redis (beside each, ``.msgs``): counted with each memory sample.
+STORED_QUEUES = [f"{q}{kind}" for q in ("default", "mail", "reports") for kind in ("", ".DQ", ".XQ")]
+#: Messages one order makes across the queues (``messages_per_order`` measures it): the
+#: ``OrderPlaced`` fan-out, ``send_confirmation``, ``record_sale`` and ``audit``, which fails half
+#: its attempts (two on average); with ``--deploys`` the ``soak.parcel`` fan-out and its listeners too.
+MESSAGES_PER_ORDER, MESSAGES_PER_ORDER_DEPLOYS = 5.0, 9.0
+#: What the replicas run with beside the soak's own settings (see the module docstring).
+TUNING = {
+    "WORKER_SETTLE_WINDOW": "5ms",
+    "SOAK_POOL_PRE_PING": "false",
+    "OUTBOX_NOTIFY": "false",
+    "OUTBOX_POLL_INTERVAL_MIN": "50ms",
+    "OUTBOX_POLL_INTERVAL_MAX": "200ms",
+}
 LEASE_TTL_S = 3.0
 #: ``--deploys``: the first deploy, and the gap between two.
 DEPLOY_FIRST_S, DEPLOY_GAP_S = 30.0, 60.0
@@ -107,6 +201,8 @@ class Replica:
     index: int
     env: dict[str, str]
     log: Path
+    processes: int = PROCESSES
+    threads: int = THREADS
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -114,15 +210,16 @@ class Replica:
         return int(self.env.get("SOAK_VERSION", "0"))
 
     def started(self, client: Any, namespace: str) -> bool:
-        """Whether both worker processes have started their consumers (each records itself as it does)."""
+        """Whether every worker process has started its consumers (each records itself as it does)."""
         from dramatiq_gp.keys import workers
 
         pids = set(self.pids())
         recorded = {json.loads(value)["pid"] for value in client.hvals(workers(namespace))}
-        return len(pids) == 2 and pids <= recorded
+        return len(pids) == self.processes and pids <= recorded
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "dramatiq", "benchmarks.soak_worker", "-p", "2", "-t", "4"]
+        command = [sys.executable, "-m", "dramatiq", "benchmarks.soak_worker"]
+        command += ["-p", str(self.processes), "-t", str(self.threads)]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -162,10 +259,18 @@ class Replica:
 @dataclass
 class Soak:
     minutes: float
+    #: Orders per second (``--rate`` is in messages per second: ``main`` divides it by :data:`MESSAGES_PER_ORDER`).
     rate: float
     work: Path
     broker: str = "redis"
     deploys: bool = False
+    #: ``WORKER_DEDUP_RETENTION`` of the replicas (``--dedup-retention``).
+    dedup_retention: str = DEDUP_RETENTION
+    #: Worker processes and threads per replica (``--processes``, ``--threads``).
+    processes: int = PROCESSES
+    threads: int = THREADS
+    #: Threads placing orders, each its share of the rate (``--load-threads``).
+    load_threads: int = LOAD_THREADS
     faults: Counter[str] = field(default_factory=Counter)
     committed: list[int] = field(default_factory=list)
     #: ``--deploys``: when each order committed, the version the load writes ``soak.parcel`` for,
@@ -183,7 +288,12 @@ class Soak:
     unknown: int = 0
     kills_after_commit: int = 0
     rss_start: float = 0.0
+    rss_workers_start: list[float] = field(default_factory=list)
+    #: (seconds since the load started, bytes of the soak's Redis ``used_memory``, messages stored in its
+    #: queues, delay queues and dead-letter sets), every :data:`REDIS_SAMPLE_S`.
+    redis_memory: list[tuple[float, int, int]] = field(default_factory=list)
     stop_load: threading.Event = field(default_factory=threading.Event)
+    _order_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def run(self) -> dict[str, Any]:
         from tests.servers import OwnPostgres, OwnRedis, RabbitmqCluster
@@ -211,6 +321,8 @@ class Soak:
         from examples.shop.db import metadata
 
         self.namespace = f"soak-{uuid.uuid4().hex[:6]}"
+        self.samples_dir = self.work / "samples"
+        self.samples_dir.mkdir(exist_ok=True)
         db_url = self.postgres.url
         self.engine = sa.create_engine(db_url, pool_pre_ping=True)
         metadata.create_all(self.engine)
@@ -227,7 +339,11 @@ class Soak:
             "WORKER_SHUTDOWN_TIMEOUT": "10s",
             "WORKER_UNKNOWN_TASK_GRACE": "10s",
             "OUTBOX_MAX_ATTEMPTS": "3",
+            "WORKER_DEDUP_RETENTION": self.dedup_retention,
+            **TUNING,
             "SOAK_VERSION": "0",
+            "SOAK_SAMPLES_DIR": str(self.samples_dir),
+            "SOAK_POOL_SIZE": str(self.threads + POOL_SPARE),
             "LOG_LEVEL": "WARN",
             "PYTHONPATH": str(ROOT),
         }
@@ -237,13 +353,25 @@ class Soak:
             env.update(WORKER_UNKNOWN_TASK_GRACE="60s", WORKER_LISTENER_RETIREMENT=LISTENER_RETIREMENT)
         if self.rabbitmq is not None:
             env["BROKER_URL"] = ";".join(self.rabbitmq.urls)
-        self.replicas = [Replica(i, env, self.work / f"replica-{i}.log") for i in range(REPLICAS)]
+        from dramatiq_gp.outbox.write import set_notify
+
+        set_notify(env["OUTBOX_NOTIFY"] == "true")  # the load's dispatches, as the replicas' relays expect
+        self.replicas = [
+            Replica(i, env, self.work / f"replica-{i}.log", self.processes, self.threads) for i in range(REPLICAS)
+        ]
         for replica in self.replicas:
             replica.start()
         time.sleep(5)
         self.live_from = dict.fromkeys(parcel_listeners(0), 0.0)
-        load = threading.Thread(target=self._load, daemon=True)
-        load.start()
+        self.load_started_at = time.time()
+        loads = [
+            threading.Thread(target=self._load, args=(self.rate / self.load_threads,), daemon=True)
+            for _ in range(self.load_threads)
+        ]
+        for load in loads:
+            load.start()
+        sampler = threading.Thread(target=self._sample_redis_memory, daemon=True)
+        sampler.start()
         started = time.monotonic()
         end = started + self.minutes * 60
         fault_gap = max(5.0, self.minutes * 60 / 40)
@@ -267,7 +395,8 @@ class Soak:
         next_deploy = started + DEPLOY_FIRST_S if self.deploys else float("inf")
         while time.monotonic() < end:
             if not self.rss_start and time.monotonic() - started >= min(120, self.minutes * 60 / 3):
-                self.rss_start = self._rss()
+                self.rss_workers_start = self._rss_workers()
+                self.rss_start = max(self.rss_workers_start, default=0.0)
             if time.monotonic() >= next_node_kill:
                 kind = ("rabbitmq_kill_leader", "rabbitmq_kill_node")[
                     sum(self.faults[k] for k in ("rabbitmq_kill_leader", "rabbitmq_kill_node")) % 2
@@ -298,9 +427,12 @@ class Soak:
                 next_commit_kill = time.monotonic() + commit_kill_gap
             time.sleep(0.2)
         self.stop_load.set()
-        load.join()
+        for load in loads:
+            load.join()
         self.load_stopped_at = datetime.now(UTC)
-        rss_end = self._rss()
+        load_seconds = time.time() - self.load_started_at
+        sampler.join()
+        rss_workers_end = self._rss_workers()
         self._settle()
         result = self._ledger()
         result.update(
@@ -309,9 +441,18 @@ class Soak:
             faults_injected=sum(self.faults.values()),
             faults=dict(self.faults),
             rss_mb_start=round(self.rss_start, 1),
-            rss_mb_end=round(rss_end, 1),
+            rss_mb_end=round(max(rss_workers_end, default=0.0), 1),
+            rss_mb_per_worker_start=_spread(self.rss_workers_start),
+            rss_mb_per_worker_end=_spread(rss_workers_end),
             events_per_s=round(len(self.committed) / (self.minutes * 60), 1),
+            orders_per_s_target=round(self.rate, 1),
+            orders_per_s=round(len(self.committed) / load_seconds, 1),
+            dedup_retention=self.dedup_retention,
+            worker_processes=REPLICAS * self.processes,
+            worker_threads=self.threads,
         )
+        result.update(self._timing_figures(load_seconds))
+        result.update(self._redis_memory_figures())
         if self.deploys:
             figures = self._deploy_figures()
             result.update(figures)
@@ -522,14 +663,29 @@ class Soak:
         finally:
             client.close()
 
-    def _load(self) -> None:
+    def _load(self, rate: float) -> None:
+        """Place orders at ``rate`` a second, one transaction each, until the load stops.
+
+        On a schedule, not a sleep after each order: a slow commit is made up for by
+        the next ones, unless the load fell more than a second behind (PostgreSQL away):
+        then the schedule starts again from now, as a web application's requests would
+        have failed meanwhile, not waited.
+        """
         from sqlalchemy.orm import Session
 
         from dramatiq_gp.outbox.table import OUTBOX_EVENTS
         from examples.shop.place_orders import place_order
 
-        order_id = 1
+        gap = 1 / rate
+        due = time.monotonic() + random.random() * gap  # the load threads out of step
         while not self.stop_load.is_set():
+            now = time.monotonic()
+            if due > now:
+                time.sleep(due - now)
+            elif now - due > 1:
+                due = now
+            due += gap
+            order_id = next(self._order_ids)
             try:
                 with Session(self.engine) as session, session.begin():
                     place_order(session, order_id, f"c{order_id}@example.com", 1000 + order_id % 500)
@@ -541,10 +697,8 @@ class Soak:
                         )
                 self.committed_at[order_id] = time.time()
                 self.committed.append(order_id)
-                order_id += 1
-            except Exception:  # PostgreSQL restarting: this order was not committed; try it again
+            except Exception:  # PostgreSQL restarting: this order was not committed (its id stays unused)
                 time.sleep(0.2)
-            time.sleep(1 / self.rate)
 
     def _leader_replica(self) -> Replica | None:
         import redis
@@ -646,20 +800,109 @@ class Soak:
         finally:
             connection.close()
 
-    def _rss(self) -> float:
-        biggest = 0.0
+    def _rss_workers(self) -> list[float]:
+        """The resident memory of every worker process, in MB."""
+        found = []
         for replica in self.replicas:
             for pid in replica.pids():
                 try:
                     with open(f"/proc/{pid}/status") as status:
-                        for line in status:
-                            if line.startswith("VmRSS:"):
-                                biggest = max(biggest, int(line.split()[1]) / 1024)
+                        found += [int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:")]
                 except OSError:
                     continue
-        return biggest
+        return found
+
+    def _sample_redis_memory(self) -> None:
+        """Note the soak's Redis ``used_memory`` now, every :data:`REDIS_SAMPLE_S` and as the load stops."""
+        import redis
+
+        client = redis.Redis.from_url(self.redis.url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            while True:
+                stopped = self.stop_load.is_set()  # then this sample is the last, as the load stopped
+                try:
+                    used = int(client.info("memory")["used_memory"])
+                    with client.pipeline(transaction=False) as pipe:
+                        for queue in STORED_QUEUES:
+                            pipe.hlen(f"{self.namespace}:{queue}.msgs")
+                        stored = sum(pipe.execute())
+                except (redis.RedisError, OSError):  # restarting: no sample this time
+                    pass
+                else:
+                    self.redis_memory.append((time.time() - self.load_started_at, used, stored))
+                if stopped:
+                    break
+                self.stop_load.wait(REDIS_SAMPLE_S)
+        finally:
+            client.close()
 
     # -- the end -------------------------------------------------------------------
+
+    def _timing_figures(self, load_seconds: float) -> dict[str, Any]:
+        """Messages per second and per order, and how long they waited (see the module docstring)."""
+        import sqlalchemy as sa
+
+        from examples.shop.db import sales
+
+        start_ms = self.load_started_at * 1000
+        end_ms = start_ms + load_seconds * 1000
+        started = for_orders = 0
+        waits: list[int] = []
+        for path in self.samples_dir.glob("*.txt"):
+            with open(path) as lines:
+                for line in lines:
+                    try:
+                        at_text, waited_text, actor = line.split(" ", 2)
+                        at, waited = int(at_text), int(waited_text)
+                    except ValueError:  # the last line of a process killed as it wrote it
+                        continue
+                    started += start_ms <= at <= end_ms
+                    for_orders += "shop.order_placed" in actor or "soak.parcel" in actor
+                    if start_ms <= at - waited <= end_ms:  # due while the load ran, whenever it started
+                        waits.append(waited)
+        relay_lag = sa.text(
+            "SELECT percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP "
+            "(ORDER BY 1000 * extract(epoch FROM published_at - created_at)) "
+            "FROM outbox_events WHERE published_at IS NOT NULL AND event IN ('shop.order_placed', 'soak.parcel')"
+        )
+        with self.engine.connect() as conn:
+            lag = conn.execute(relay_lag).scalar() or [None, None]
+            recorded = conn.execute(sa.select(sales.c.order_id, sa.extract("epoch", sales.c.recorded_at))).all()
+        to_listener = [
+            1000 * (float(at) - self.committed_at[order]) for order, at in recorded if order in self.committed_at
+        ]
+        return {
+            "messages_per_s": round(started / load_seconds, 1),
+            "messages_per_order": round(for_orders / len(self.committed), 2) if self.committed else None,
+            "queue_wait_ms_p50": _percentile(waits, 50),
+            "queue_wait_ms_p99": _percentile(waits, 99),
+            "commit_to_listener_ms_p50": _percentile(to_listener, 50),
+            "commit_to_listener_ms_p99": _percentile(to_listener, 99),
+            "relay_lag_ms_p50": None if lag[0] is None else round(lag[0], 1),
+            "relay_lag_ms_p99": None if lag[1] is None else round(lag[1], 1),
+        }
+
+    def _redis_memory_figures(self) -> dict[str, Any]:
+        """Redis ``used_memory`` as the load started and stopped, and its slope once the done marks' window was full."""
+        mb = 1024 * 1024
+        full_s = WINDOW_FULL * parse_duration(self.dedup_retention).total_seconds()
+        after = [(t, used / mb) for t, used, _ in self.redis_memory if t >= full_s]
+        stored = {t: n for t, _, n in self.redis_memory}
+        slope = None
+        if len(after) >= 3:
+            mean_t = sum(t for t, _ in after) / len(after)
+            mean_mb = sum(m for _, m in after) / len(after)
+            spread = sum((t - mean_t) ** 2 for t, _ in after)
+            slope = 60 * sum((t - mean_t) * (m - mean_mb) for t, m in after) / spread
+        return {
+            "redis_used_mb_start": round(self.redis_memory[0][1] / mb, 1) if self.redis_memory else None,
+            "redis_used_mb_window_full": round(after[0][1], 1) if after else None,
+            "redis_used_mb_end": round(self.redis_memory[-1][1] / mb, 1) if self.redis_memory else None,
+            "redis_used_mb_slope_per_min": None if slope is None else round(slope, 3),
+            "redis_stored_messages_window_full": stored[after[0][0]] if after else None,
+            "redis_stored_messages_end": self.redis_memory[-1][2] if self.redis_memory else None,
+            "redis_window_full_s": round(full_s),
+        }
 
     def _queues(self) -> list[dict[str, Any]]:
         """Per queue: messages ready, in flight, delayed and dead (as ``dramatiq-gp status`` has them).
@@ -888,6 +1131,7 @@ class Soak:
         import redis
         import sqlalchemy as sa
 
+        from dramatiq_gp.brokers.done_marks import is_done
         from dramatiq_gp.names import fan_out_id
         from dramatiq_gp.outbox.table import OUTBOX_EVENTS
 
@@ -914,23 +1158,51 @@ class Soak:
                     name: fan_out_id(event_id, f"listener:shop.order_placed:{name}")
                     for name in ("send_confirmation", "record_sale", "audit")
                 }
-                done = done_prefix(self.namespace)
-                entry["done_keys"] = {k: _text(client.get(f"{done}{v}")) for k, v in ids.items()}
+                # Through the kit's own look-up: whatever the layout of the marks, a copy of a marked id is skipped.
+                entry["done_marks"] = {k: is_done(client, self.namespace, v) for k, v in ids.items()}
                 entry["dead_letters"] = [key for value, key in dead.items() if event_id in value]
             found.append(entry)
         client.close()
         return found
 
 
-def _text(value: bytes | None) -> str | None:
-    return value.decode() if value is not None else None
+def _percentile(values: list[float] | list[int], percent: float) -> float | None:
+    """The nearest-rank ``percent``-th percentile of ``values``; None if there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(float(ordered[max(0, math.ceil(percent / 100 * len(ordered)) - 1)]), 1)
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    """The median and the largest of ``values``, and how many there are."""
+    if not values:
+        return {"median": None, "max": None, "n": 0}
+    return {"median": round(statistics.median(values), 1), "max": round(max(values), 1), "n": len(values)}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks soak", description=__doc__)
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--minutes", type=float, default=10)
-    parser.add_argument("--rate", type=float, default=20, help="orders per second")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=100,
+        help="messages per second across the queues (default 100); the load places "
+        f"rate / {MESSAGES_PER_ORDER:g} orders a second ({MESSAGES_PER_ORDER_DEPLOYS:g} with --deploys)",
+    )
+    parser.add_argument(
+        "--orders-per-second", type=float, help="place this many orders a second instead (what --rate used to be)"
+    )
+    parser.add_argument(
+        "--dedup-retention",
+        default=DEDUP_RETENTION,
+        help=f"WORKER_DEDUP_RETENTION of the replicas (default {DEDUP_RETENTION}; the kit's default is 24h)",
+    )
+    parser.add_argument("--processes", type=int, default=PROCESSES, help="worker processes per replica")
+    parser.add_argument("--threads", type=int, default=THREADS, help="worker threads per process")
+    parser.add_argument("--load-threads", type=int, default=LOAD_THREADS, help="threads placing orders")
     parser.add_argument(
         "--broker",
         choices=["redis", "rabbitmq"],
@@ -942,6 +1214,20 @@ def main(argv: list[str]) -> int:
         "--deploys", action="store_true", help="a rolling deploy every minute, adding and retiring listeners"
     )
     args = parser.parse_args(argv)
+    try:
+        parse_duration(args.dedup_retention)
+    except ValueError as exc:
+        parser.error(f"--dedup-retention: {exc}")
+    per_order = MESSAGES_PER_ORDER_DEPLOYS if args.deploys else MESSAGES_PER_ORDER
+    orders = args.orders_per_second or args.rate / per_order
+    options = {
+        "broker": args.broker,
+        "deploys": args.deploys,
+        "dedup_retention": args.dedup_retention,
+        "processes": args.processes,
+        "threads": args.threads,
+        "load_threads": args.load_threads,
+    }
     if args.keep:
         from devtools.services import PG_USER, postgres_can_reach
 
@@ -954,11 +1240,11 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-        result = Soak(args.minutes, args.rate, args.keep, args.broker, args.deploys).run()
+        result = Soak(args.minutes, orders, args.keep, **options).run()
     else:
         with tempfile.TemporaryDirectory(prefix="gp-soak-") as work:
             os.chmod(work, 0o755)  # the RabbitMQ nodes run as their own user
-            result = Soak(args.minutes, args.rate, Path(work), args.broker, args.deploys).run()
+            result = Soak(args.minutes, orders, Path(work), **options).run()
     print(", ".join(f"{k} {v}" for k, v in result.items() if k != "faults"))
     if args.json:
         print(json.dumps(result))

@@ -21,14 +21,22 @@ shop's own listeners are (see :mod:`benchmarks.soak_tables`):
   each deploy adds one and retires another), and, from
   :data:`~benchmarks.soak_tables.FIELD_ADDED_IN`, the event's added ``weight_g`` field.
   Each records its deliveries per envelope in its inbox transaction, counting runs.
+* when ``SOAK_SAMPLES_DIR`` is set, every message a worker starts (past the kit's own
+  checks: a copy the idempotency claim skips is not started) is noted by
+  :class:`StartSamples`: when it started, how long it waited since it was due (its
+  ``message_timestamp``, or its ``eta`` when it was delayed or retried), and its actor,
+  one line a message in ``<dir>/<pid>.txt``, appended once a second; the soak reads
+  them for its queue wait and messages per second.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -41,12 +49,21 @@ from sqlalchemy.dialects.postgresql import insert
 import dramatiq_gp as gp
 from benchmarks.soak_tables import FIELD_ADDED_IN, audit, deliveries, parcel_listeners, ticks
 from examples.shop import jobs, listeners
-from examples.shop.deps import Dependencies
+from examples.shop.deps import Dependencies, Mailer
 from examples.shop.events import OrderPlaced
 
 FLAKY = float(os.environ.get("SOAK_FLAKY", "0.5"))
+SAMPLES_DIR = os.environ.get("SOAK_SAMPLES_DIR")
+#: How often a worker process appends its start samples to its file.
+SAMPLE_FLUSH_S = 1.0
 VERSION = int(os.environ.get("SOAK_VERSION", "0"))
-deps = Dependencies.from_env()
+#: Connections the process keeps (``SOAK_POOL_SIZE``; the shop's 5 by default): one for each worker thread
+#: and for the relay, the scheduler's and the inbox pruning, so that no connection is opened and closed
+#: again for a transaction past the pool (at 1,000 messages/s that churn cost PostgreSQL 0.17 of a core).
+POOL_SIZE = int(os.environ.get("SOAK_POOL_SIZE", "5"))
+PRE_PING = os.environ.get("SOAK_POOL_PRE_PING", "true") == "true"
+engine = sa.create_engine(os.environ.get("DB_URL", "sqlite:///shop.db"), pool_pre_ping=PRE_PING, pool_size=POOL_SIZE)
+deps = Dependencies(engine=engine, mailer=Mailer(engine))
 
 
 @gp.event("soak.beat")
@@ -89,6 +106,26 @@ def record_delivery(listener: str) -> Any:
     return record
 
 
+class AuditDown(RuntimeError):
+    """What ``audit`` raises on the attempts it fails on purpose."""
+
+
+class WithoutAuditTracebacks(logging.Filter):
+    """Log the failures ``audit`` makes on purpose without their traceback.
+
+    The task log writes a failed attempt at ERROR with its traceback; at 1,000
+    messages/s the audit fails 100 times a second, and formatting each traceback
+    (Python 3.11 parses the source lines for its carets) is CPU the soak would spend
+    on its own fault rather than on the kit. The line itself stays.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], AuditDown):
+            record.exc_info = None
+        return True
+
+
+logging.getLogger("dramatiq_gp.tasks").addFilter(WithoutAuditTracebacks())
 AUDIT = "listener:shop.order_placed:audit"
 #: Set by ``record_audit`` once its write is done: this attempt applied the effect (it commits unless it raises).
 _applied = threading.local()
@@ -96,7 +133,7 @@ _applied = threading.local()
 
 def record_audit(event: OrderPlaced, conn: sa.Connection) -> None:
     if random.random() < FLAKY:
-        raise RuntimeError("the audit service is having a bad day")
+        raise AuditDown("the audit service is having a bad day")
     envelope_id = gp.current_envelope().id
     statement = insert(audit).values(envelope_id=envelope_id, order_id=event.order_id)
     conn.execute(statement.on_conflict_do_update(index_elements=["envelope_id"], set_={"runs": audit.c.runs + 1}))
@@ -115,6 +152,47 @@ class KillAfterInboxCommit(Middleware):
         kit_broker: Any = broker
         if kit_broker.client.delete(f"{kit_broker.namespace}:soak:kill_after_commit"):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StartSamples(Middleware):
+    """Notes each message a worker starts as ``<started ms> <waited ms> <actor>`` (see the module docstring).
+
+    The lines are kept in memory and appended to ``<directory>/<pid>.txt`` every
+    :data:`SAMPLE_FLUSH_S` by a thread of the worker process: a process killed with
+    ``kill -9`` loses at most that last second, which the figures can spare.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def after_process_boot(self, broker: Broker) -> None:
+        self._lines = []  # nothing noted before a fork belongs to this process
+        threading.Thread(target=self._flush_forever, name="soak-samples", daemon=True).start()
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        now = time.time() * 1000
+        due = max(message.message_timestamp, message.options.get("eta") or 0)
+        line = f"{now:.0f} {now - due:.0f} {message.actor_name}\n"
+        with self._lock:
+            self._lines.append(line)
+
+    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        self._stop.set()
+        self._flush()
+
+    def _flush_forever(self) -> None:
+        while not self._stop.wait(SAMPLE_FLUSH_S):
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            lines, self._lines = self._lines, []
+        if lines:
+            with open(os.path.join(self.directory, f"{os.getpid()}.txt"), "a") as out:
+                out.write("".join(lines))
 
 
 def record_tick(entry: str, scheduled_at: datetime, conn: sa.Connection) -> None:
@@ -143,7 +221,8 @@ def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
         registry.listen(Parcel, record_delivery(name), name=name, inbox=deps.engine)
 
 
-kit = gp.Kit(register, engine=deps.engine, middleware=[KillAfterInboxCommit()]).with_closer(
-    "database", deps.engine.dispose
-)
+middleware: list[Middleware] = [KillAfterInboxCommit()]
+if SAMPLES_DIR:
+    middleware.append(StartSamples(SAMPLES_DIR))
+kit = gp.Kit(register, engine=deps.engine, middleware=middleware).with_closer("database", deps.engine.dispose)
 broker = kit.broker
