@@ -5,7 +5,8 @@
 --   <slice_ms>:<slice>:<shards>:<shard>    digest -> 1, for the digests of one shard of one level
 -- One read of the small slices hash tells a look-up every key a mark could be in, whatever
 -- the slice lengths in use (a change of WORKER_DEDUP_RETENTION leaves the old marks readable).
--- Times are the server's (TIME), so every worker agrees on the slice whatever its clock.
+-- Writes take the time from the server (TIME), so every worker agrees on the slice whatever
+-- its clock; a look-up needs none.
 local marks_counted = {}
 
 local function marks_time()
@@ -16,6 +17,20 @@ end
 local function marks_shard(digest, shards)
     local a, b, c, d = string.byte(digest, 1, 4)
     return (((a * 256 + b) * 256 + c) * 256 + d) % shards
+end
+
+-- Forgets the slices whose keys have expired, of every slice length listed.
+local function marks_forget(slices, now)
+    local gone = {}
+    for _, field in ipairs(redis.call("hkeys", slices)) do
+        local slice_ms, slice = string.match(field, "^(%d+):(%d+)")
+        if tonumber(slice) + MARKS_SLICES < math.floor(now / tonumber(slice_ms)) then
+            gone[#gone + 1] = field
+        end
+    end
+    if #gone > 0 then
+        redis.call("hdel", slices, unpack(gone))
+    end
 end
 
 -- Marks digest done, remembered for at least retention_ms from now.
@@ -34,6 +49,7 @@ local function mark_done(prefix, retention_ms, now, digest)
         local before = tonumber(redis.call("hget", slices, slice_ms .. ":" .. (slice - 1) .. ":marks")) or 0
         n, levels = math.max(MARKS_MIN_SHARDS, math.ceil(before / MARKS_FILL)), 1
         redis.call("hset", slices, name, n .. ":1")
+        marks_forget(slices, now)
     end
     local shards = n * 2 ^ (levels - 1)
     local key = prefix .. name .. ":" .. shards .. ":" .. marks_shard(digest, shards)
@@ -61,27 +77,21 @@ local function marks_flush()
     end
 end
 
--- Where a mark made now could be: each level of each slice still remembered. Forgets the
--- slices whose keys have expired.
-local function marks_places(prefix, now)
-    local slices = prefix .. "slices"
-    local places, gone = {}, {}
-    local all = redis.call("hgetall", slices)
+-- Where a mark could be: each level of each slice listed, whose keys are still kept (the
+-- writer forgets a slice as it starts the one whose start expires it).
+local function marks_places(prefix)
+    local places = {}
+    local all = redis.call("hgetall", prefix .. "slices")
     for j = 1, #all, 2 do
-        local slice_ms, slice, marks = string.match(all[j], "^(%d+):(%d+)(.*)$")
-        slice_ms, slice = tonumber(slice_ms), tonumber(slice)
-        if slice + MARKS_SLICES < math.floor(now / slice_ms) then
-            gone[#gone + 1] = all[j]
-        elseif marks == "" then
-            local n, levels = string.match(all[j + 1], "^(%d+):(%d+)$")
+        local n, levels = string.match(all[j + 1], "^(%d+):(%d+)$")
+        if n then
+            local base = prefix .. all[j] .. ":"
+            n = tonumber(n)
             for level = 1, tonumber(levels) do
-                local shards = tonumber(n) * 2 ^ (level - 1)
-                places[#places + 1] = { prefix .. all[j] .. ":" .. shards .. ":", shards }
+                places[#places + 1] = { base .. n .. ":", n }
+                n = n * 2
             end
         end
-    end
-    if #gone > 0 then
-        redis.call("hdel", slices, unpack(gone))
     end
     return places
 end

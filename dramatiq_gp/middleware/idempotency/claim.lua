@@ -3,7 +3,7 @@
 -- KEYS: the claims. ARGV: the lease in ms, the done marks' prefix, then a token and a
 -- digest for each claim in turn.
 local lease_ms, marks = ARGV[1], ARGV[2]
-local places = marks_places(marks, marks_time())
+local places = marks_places(marks)
 local result = {}
 for i, key in ipairs(KEYS) do
     local token, digest = ARGV[2 * i + 1], ARGV[2 * i + 2]
