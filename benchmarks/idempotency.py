@@ -10,7 +10,9 @@ threads on an idempotent no-op actor (as the kit's listeners and jobs are). Two 
 * ``steady``: messages sent at ``--rate`` for ``--seconds`` under a retention of
   ``--retention`` seconds, so that the marks go through many slices, each sized
   from the one before, as they do in a long run; the figure is read at the end,
-  with the marks of between 1 and 1¼ retentions held.
+  with the marks of between 1 and 1¼ retentions held;
+* ``plain``: the steady phase again with the actor not idempotent (no claims, no
+  marks): the Redis CPU and calls a message costs without idempotent execution.
 
 For each: the server's CPU per message and its calls per message by command (the
 commands scripts run included; ``redis_scripts_per_message`` counts the scripts,
@@ -117,7 +119,13 @@ def _marks(client: redis.Redis, namespace: str) -> tuple[int, int]:
 
 
 def run_phase(
-    server: Server, retention_ms: int, messages: int, rate: float, seconds: float, rabbitmq_url: str | None
+    server: Server,
+    retention_ms: int,
+    messages: int,
+    rate: float,
+    seconds: float,
+    rabbitmq_url: str | None,
+    idempotent: bool = True,
 ) -> dict[str, Any]:
     """Send idempotent no-op messages through a worker; the done marks they leave and what they cost."""
 
@@ -134,7 +142,7 @@ def run_phase(
     kit = gp.Kit(registry=gp.Registry(), broker_options={"namespace": namespace})
 
     # A queue of its own: on a shared RabbitMQ, nothing else reads or deletes it.
-    @dramatiq.actor(broker=kit.broker, actor_name="noop", queue_name=namespace, idempotent=True)
+    @dramatiq.actor(broker=kit.broker, actor_name="noop", queue_name=namespace, idempotent=idempotent)
     def noop(n: int) -> None:
         pass
 
@@ -183,8 +191,8 @@ def run_phase(
     return {
         "messages": sent,
         "marks_held": held,
-        "redis_bytes_per_done_message": round(marks_bytes / held, 1),
-        "used_memory_per_done_message": round(freed / held, 1),
+        "redis_bytes_per_done_message": round(marks_bytes / held, 1) if held else 0,
+        "used_memory_per_done_message": round(freed / held, 1) if held else 0,
         "redis_cpu_us_per_message": round((cpu_after - cpu_before) * 1e6 / sent, 1),
         "redis_scripts_per_message": round(sum(n for c, n in calls.items() if c.startswith("eval")), 2),
         "redis_calls_per_message": calls,
@@ -235,6 +243,8 @@ def main(argv: list[str]) -> int:
             print(f"default retention: {default}", flush=True)
             steady = run_phase(server, int(args.retention * 1000), 0, args.rate, args.seconds, rabbitmq_url)
             print(f"steady, {args.retention:g} s retention at {args.rate:g}/s: {steady}", flush=True)
+            plain = run_phase(server, int(args.retention * 1000), 0, args.rate, args.seconds, rabbitmq_url, False)
+            print(f"plain, the same without idempotent execution: {plain}", flush=True)
             baseline = run_baseline(server, default["marks_held"], DEFAULT_RETENTION_MS)
             print(f"baseline, one key per id: {baseline}", flush=True)
             version, allocator = server.version, server.allocator
@@ -251,6 +261,8 @@ def main(argv: list[str]) -> int:
         "baseline_used_memory_per_done_message": baseline["used_memory_per_done_message"],
         "ratio": round(ours / baseline["redis_bytes_per_done_message"], 3),
         "redis_cpu_us_per_message": steady["redis_cpu_us_per_message"],
+        "plain_redis_cpu_us_per_message": plain["redis_cpu_us_per_message"],
+        "plain_redis_scripts_per_message": plain["redis_scripts_per_message"],
         "redis_scripts_per_message": steady["redis_scripts_per_message"],
         "redis_calls_per_message": steady["redis_calls_per_message"],
         "steady_marks_held": steady["marks_held"],
