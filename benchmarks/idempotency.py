@@ -111,9 +111,9 @@ class Server:
 def _marks(client: redis.Redis, namespace: str) -> tuple[int, int]:
     """The marks held and the bytes of every done-mark key."""
     held = used = 0
-    for key in client.scan_iter(f"{namespace}:gp:done:*", count=1000):
+    for key in client.scan_iter(f"{namespace}:gp:marks:*", count=1000):
         used += int(client.memory_usage(key, samples=0) or 0)
-        if key.count(b":") >= 6:  # a shard: <ns>:gp:done:<slice ms>:<slice>:<shards>:<shard>
+        if key.count(b":") >= 6:  # a shard: <ns>:gp:marks:<slice ms>:<slice>:<shards>:<shard>
             held += int(client.hlen(key))
     return held, used
 
@@ -178,7 +178,7 @@ def run_phase(
     calls = {name: round(n / sent, 2) for name, n in sorted(calls.items(), key=lambda c: -c[1]) if n}
     held, marks_bytes = _marks(server.client, namespace)
     with_marks = server.used()
-    for keys in _chunks(list(server.client.scan_iter(f"{namespace}:gp:done:*", count=1000)), 1000):
+    for keys in _chunks(list(server.client.scan_iter(f"{namespace}:gp:marks:*", count=1000)), 1000):
         server.client.delete(*keys)
     freed = with_marks - server.used()
     for keys in _chunks(list(server.client.scan_iter(f"{namespace}:*", count=1000)), 1000):

@@ -8,9 +8,10 @@ Dramatiq's own layout (its ``brokers/redis/dispatch.lua``), under a namespace:
 * ``<ns>:__acks__.<broker id>.<queue>``: what one worker process fetched and has not settled;
 * ``<ns>:__heartbeats__``: the worker processes' last beats (a sorted set).
 
-The kit's own, under the same namespace: ``<ns>:gp:claim:<message id>`` (the
-idempotency claim of a message id being run), ``<ns>:gp:done:*`` (the done marks
-of completed ones, laid out by :mod:`.brokers.done_marks`), ``<ns>:gp:skipped`` (messages
+The kit's own, under the same namespace: ``<ns>:gp:done:<message id>`` (the
+idempotency claim of a message id being run; before issue 30 also its done mark,
+``"done"``), ``<ns>:gp:marks:*`` (the done marks of completed ones, laid out by
+:mod:`.brokers.done_marks`), ``<ns>:gp:skipped`` (messages
 skipped for want of a handler, per task type), and what the dashboard reads
 without scanning the keyspace: ``<ns>:gp:queues`` (the queues consumed),
 ``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:throughput:<minute>`` (the
@@ -117,13 +118,18 @@ def listeners_retired(namespace: str) -> str:
 
 
 def claim_prefix(namespace: str) -> str:
-    """Prefix of the claims of message ids being run (``<prefix><message id>``: the claim's token, with a lease)."""
-    return f"{namespace}:gp:claim:"
+    """Prefix of the claims of message ids being run (``<prefix><message id>``: the claim's token, with a lease).
+
+    The name the kit has always used, so that during a rolling upgrade the workers of
+    both versions see each other's claims, and the new ones the old done marks
+    (``"done"``, kept for the old retention).
+    """
+    return f"{namespace}:gp:done:"
 
 
 def done_marks(namespace: str) -> str:
     """Prefix of the done marks' keys (:mod:`.brokers.done_marks`)."""
-    return f"{namespace}:gp:done:"
+    return f"{namespace}:gp:marks:"
 
 
 def skipped(namespace: str) -> str:

@@ -97,7 +97,7 @@ def test_completion_is_remembered_for_the_retention_window_and_claims_are_releas
     start_worker(kit)
     wait_for(lambda: runs == [1])
     (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(1), "kept")]
-    claim = f"{namespace}:gp:claim:{message_id}"
+    claim = f"{namespace}:gp:done:{message_id}"
     # While it runs, the attempt holds a claim: its own token, for one lease, renewed by the worker.
     assert rdb.get(claim) is not None
     assert 0 < rdb.pttl(claim) <= idem.lease_ms
@@ -120,10 +120,25 @@ def test_completion_is_remembered_for_the_retention_window_and_claims_are_releas
     # Kept a quarter of the retention longer at most (its slice expires whole): then a copy runs.
     wait_for(lambda: not done_marks.is_done(rdb, namespace, message_id), timeout=3)
     assert 4 <= time.monotonic() - completed <= 5.2
-    assert list(rdb.scan_iter(f"{namespace}:gp:done:*:*", count=1000)) == []  # nothing held
+    assert list(rdb.scan_iter(f"{namespace}:gp:marks:*:*", count=1000)) == []  # nothing held
     kit.dispatch(Ping(1), envelope_id="kept")
     wait_for(lambda: runs == [1, 1])
     wait_for(lambda: done_marks.is_done(rdb, namespace, message_id))
+
+
+@pytest.mark.usefixtures("broker")
+def test_a_done_mark_left_by_the_version_before_still_skips_a_copy(make_kit, start_worker, rdb, namespace, caplog):
+    """Before the packed marks, a done mark was ``"done"`` under the claim's key: a rolling upgrade keeps it."""
+    runs: list[int] = []
+    kit = _kit_with(make_kit, lambda event: runs.append(event.n))
+    (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(7), "upgraded")]
+    rdb.set(f"{namespace}:gp:done:{message_id}", "done", px=60_000)  # as the kit before wrote it
+    kit.dispatch(Ping(7), envelope_id="upgraded")
+    kit.dispatch(Ping(8), envelope_id="new")
+    start_worker(kit)
+    wait_for(lambda: "task skipped: already completed" in caplog.text and runs == [8])
+    time.sleep(0.2)
+    assert runs == [8]
 
 
 @pytest.mark.usefixtures("broker")
@@ -134,11 +149,11 @@ def test_done_marks_take_about_twenty_bytes_each_in_compact_shards(make_kit, sta
     for n in range(count):
         kit.dispatch(Ping(n))
     start_worker(kit, threads=8)
-    wait_for(lambda: ready(kit) == 0 and not rdb.keys(f"{namespace}:gp:claim:*"), timeout=60)
-    marks = [k for k in rdb.scan_iter(f"{namespace}:gp:done:*:*:*:*", count=1000)]
+    wait_for(lambda: ready(kit) == 0 and not rdb.keys(f"{namespace}:gp:done:*"), timeout=60)
+    marks = [k for k in rdb.scan_iter(f"{namespace}:gp:marks:*:*:*:*", count=1000)]
     assert sum(rdb.hlen(k) for k in marks) == count
     assert {rdb.object("encoding", k) for k in marks} <= {"listpack", "ziplist"}
-    used = sum(rdb.memory_usage(k, samples=0) for k in rdb.scan_iter(f"{namespace}:gp:done:*", count=1000))
+    used = sum(rdb.memory_usage(k, samples=0) for k in rdb.scan_iter(f"{namespace}:gp:marks:*", count=1000))
     assert used / count <= 40, used / count
 
 
@@ -152,7 +167,7 @@ def test_a_failed_attempt_releases_its_claim(make_kit, start_worker, rdb, namesp
     start_worker(kit)
     wait_for(lambda: dead(kit) == 1)
     (message_id,) = [m.message_id for m in kit.registry.fan_out(Ping(1), envelope_id)]
-    assert rdb.exists(f"{namespace}:gp:claim:{message_id}") == 0
+    assert rdb.exists(f"{namespace}:gp:done:{message_id}") == 0
     assert not done_marks.is_done(rdb, namespace, message_id)
 
 
@@ -213,11 +228,11 @@ def test_messages_claimed_but_not_started_at_shutdown_are_requeued_with_their_cl
     worker.start()
     wait_for(lambda: started)
     # Both were fetched and claimed in one batch (prefetch is twice the threads); one is running.
-    assert len(list(rdb.scan_iter(f"{namespace}:gp:claim:*", count=1000))) == 2
+    assert len(list(rdb.scan_iter(f"{namespace}:gp:done:*", count=1000))) == 2
     worker.stop(5000)
     assert len(started) == 1
     assert rdb.llen(f"{namespace}:default") == 1
-    assert len(list(rdb.scan_iter(f"{namespace}:gp:claim:*", count=1000))) == 0
+    assert len(list(rdb.scan_iter(f"{namespace}:gp:done:*", count=1000))) == 0
     ids = [m.message_id for n in range(2) for m in kit.registry.fan_out(Ping(n), envelopes[n])]
     assert [done_marks.is_done(rdb, namespace, i) for i in ids] == [n in started for n in range(2)]
 

@@ -168,7 +168,7 @@ def test_what_outlives_the_shutdown_timeout_goes_back_to_its_queue(run_dramatiq,
     assert "1 task(s) still running at the drain timeout went back to their queues" in worker.log
     # Back on the queue at once, not after the 60 s heartbeat timeout, and its claim freed.
     assert rdb.llen(f"{namespace}:default") == 1
-    assert list(rdb.scan_iter(f"{namespace}:gp:claim:*")) == []
+    assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
 
 
 @pytest.mark.usefixtures("broker")
@@ -280,7 +280,7 @@ def test_an_async_listener_outliving_the_shutdown_timeout_is_cancelled_put_back_
     assert "task put back task_type=listener:test.app.slow:slow" in worker.log
     assert "task failed" not in worker.log and "Traceback" not in worker.log.split("this closer fails")[-1]
     assert rdb.llen(f"{namespace}:default") == 1
-    assert list(rdb.scan_iter(f"{namespace}:gp:claim:*")) == []
+    assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
 
     again = run_dramatiq({"GP_TEST_ASYNC": "1"})
     wait_for(lambda: worker.trace.count("listener finished") == 1, timeout=30)

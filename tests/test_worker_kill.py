@@ -90,7 +90,7 @@ def test_a_kill_9d_workers_messages_run_again_on_a_survivor_after_its_heartbeat_
         # Every message id completed, and nothing is left held, queued or stored.
         idempotent = [m.message_id for m in sent if m.actor_name == "hold_idempotent"]
         assert [done_marks.is_done(rdb, namespace, message_id) for message_id in idempotent] == [True] * (HELD // 2)
-        assert list(rdb.scan_iter(f"{namespace}:gp:claim:*")) == []
+        assert list(rdb.scan_iter(f"{namespace}:gp:done:*")) == []
         assert (rdb.exists(acks), rdb.llen(queue), rdb.hlen(f"{queue}.msgs")) == (0, 0, 0)
     finally:
         close_broker(producer)

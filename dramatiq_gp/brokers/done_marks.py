@@ -26,7 +26,7 @@ pair, about 10⁻²¹ for a message against a day of marks at 1,000 messages/s, 
 The scripts that write marks (the Redis broker's settle, the RabbitMQ broker's
 record) and the one that reads them (the idempotency claim) are each prepended
 with ``done_marks/library.lua`` by :func:`with_library`. Which slices exist, and their
-shard counts, sit in one small hash (``<ns>:gp:done:slices``), so a look-up learns
+shard counts, sit in one small hash (``<ns>:gp:marks:slices``), so a look-up learns
 every key a mark could be in with one read.
 """
 

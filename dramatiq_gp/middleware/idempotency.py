@@ -27,8 +27,9 @@ Hooks: ``before_worker_boot`` (refuses any broker but the kit's, whose settle st
 the outcome), ``after_worker_boot``/``after_worker_shutdown``
 (the renewing thread), ``before_process_message``, ``after_process_message``,
 ``after_ack``/``after_nack``, and the broker's ``after_fetch``. The claims are
-``<namespace>:gp:claim:<message id>`` on the broker's Redis, the done marks under
-``<namespace>:gp:done:``.
+``<namespace>:gp:done:<message id>`` on the broker's Redis (the name the kit has
+always used: workers of the version before see them, and a ``"done"`` an older
+worker left there counts as a done mark), the done marks under ``<namespace>:gp:marks:``.
 """
 
 from __future__ import annotations

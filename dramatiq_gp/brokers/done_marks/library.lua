@@ -1,5 +1,5 @@
 -- Done marks, prepended to each script that writes or reads them; dramatiq_gp.brokers.done_marks
--- says why they are laid out so. Under the prefix (<ns>:gp:done:):
+-- says why they are laid out so. Under the prefix (<ns>:gp:marks:):
 --   slices                                 "<slice_ms>:<slice>" -> "<first shard count>:<levels>" of each
 --                                          slice still remembered, and "<slice_ms>:<slice>:marks" -> its marks
 --   <slice_ms>:<slice>:<shards>:<shard>    digest -> 1, for the digests of one shard of one level
