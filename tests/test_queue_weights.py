@@ -73,7 +73,10 @@ def test_both_queues_backlogged_share_the_threads_by_weight(make_kit, start_work
     start_worker(kit, threads=8)
     wait_for(lambda: len(starts.order) >= WARM_UP + window, timeout=60)
     share = starts.order[WARM_UP : WARM_UP + window].count("default") / window
-    assert 0.72 <= share <= 0.78, share
+    # 3:1 is 0.75, and an even split (no weighting) 0.5. With 2 ms tasks on a loaded 2-core
+    # machine the consumers' refills lag the threads now and then: the full suite saw 0.6925
+    # on RabbitMQ and 0.7175 on Redis, so the band is 3 standard deviations of a 400-start window.
+    assert 0.68 <= share <= 0.82, share
 
 
 @pytest.mark.usefixtures("broker")
