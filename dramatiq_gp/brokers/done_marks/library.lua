@@ -65,15 +65,12 @@ local function mark_done(prefix, retention_ms, now, digest)
         redis.call("hset", slices, name, n .. ":" .. (levels + 1))
     end
     marks_counted[name] = (marks_counted[name] or 0) + 1
-    marks_counted[""] = slices
 end
 
-local function marks_flush()
-    local slices = marks_counted[""]
+-- Adds the marks this call made to their slices' counts, one write per slice.
+local function marks_flush(prefix)
     for name, count in pairs(marks_counted) do
-        if name ~= "" then
-            redis.call("hincrby", slices, name .. ":marks", count)
-        end
+        redis.call("hincrby", prefix .. "slices", name .. ":marks", count)
     end
 end
 

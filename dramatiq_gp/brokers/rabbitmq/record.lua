@@ -16,5 +16,5 @@ for i, key in ipairs(KEYS) do
         redis.call("del", key)
     end
 end
-marks_flush()
+marks_flush(marks)
 return #KEYS

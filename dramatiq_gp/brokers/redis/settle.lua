@@ -107,7 +107,7 @@ while i <= #ARGV do
         i = i + 10
     end
 end
-marks_flush()
+marks_flush(marks)
 if next(counts) then
     for field, n in pairs(counts) do
         redis.call("hincrby", throughput, field, n)
