@@ -14,7 +14,7 @@ idempotency claim of a message id being run; before issue 30 also its done mark,
 :mod:`.brokers.done_marks`), ``<ns>:gp:skipped`` (messages
 skipped for want of a handler, per task type), and what the dashboard reads
 without scanning the keyspace: ``<ns>:gp:queues`` (the queues consumed),
-``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:throughput:<minute>`` (the
+``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:health`` (each one's health), ``<ns>:gp:throughput:<minute>`` (the
 messages settled per queue and minute), ``<ns>:gp:failures`` (the latest
 failures); on RabbitMQ, ``<ns>:gp:unconfirmed`` (the queues whose sends go
 unconfirmed) and ``<ns>:gp:held:<broker id>`` (what a worker process holds);
@@ -75,6 +75,12 @@ def declared_queues(namespace: str) -> str:
 def workers(namespace: str) -> str:
     """Broker id → a worker process's host, pid, queues and weights, as JSON (a hash)."""
     return f"{namespace}:gp:workers"
+
+
+def health(namespace: str) -> str:
+    """Broker id → a worker process's health as JSON (a hash): ``alive``, ``ready``, ``failing`` (why not),
+    ``at_ms`` (when it was judged), written by :mod:`.health` every ``WORKER_HEALTH_INTERVAL``."""
+    return f"{namespace}:gp:health"
 
 
 def throughput(namespace: str, minute: int) -> str:
