@@ -138,6 +138,13 @@ class WorkerSettings(BaseSettings):
     gc_freeze: bool = True
     #: A listener no live worker has declared for this long is retired from every fan-out.
     listener_retirement: Duration = Field(default=timedelta(minutes=10), ge=timedelta(seconds=1))
+    #: Serve ``/livez`` and ``/readyz`` on this port (one per process group: whichever process binds it
+    #: answers for all of them); unset: no HTTP endpoint (``dramatiq-gp health`` still answers).
+    health_port: int | None = Field(default=None, gt=0, lt=65536)
+    #: Where the health endpoint listens: every interface by default, since the kubelet probes the pod's address.
+    health_host: str = "0.0.0.0"
+    #: How often each worker process judges and records its health (dependencies pinged, user checks run).
+    health_interval: Duration = Field(default=timedelta(seconds=5), ge=timedelta(milliseconds=100))
 
     @model_validator(mode="after")
     def _backoff_order(self) -> WorkerSettings:
