@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("scheduler", ["scheduler"]),
     ("middleware", ["middleware"]),
     ("kit", ["kit", ""]),
-    ("operator tools", ["status", "actions", "dashboard", "generate", "cli", "__main__"]),
+    ("operator tools", ["status", "actions", "dashboard", "exporter", "generate", "cli", "__main__"]),
 ]
 
 
