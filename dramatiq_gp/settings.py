@@ -622,13 +622,15 @@ class SchedulerSettings(BaseSettings):
 
 
 class LogSettings(BaseSettings):
-    """``LOG_*``: level and format of every log line the worker writes."""
+    """``LOG_*``: level and format of every log line the worker writes, and whether it also goes over OTLP."""
 
     model_config = SettingsConfigDict(env_prefix="LOG_", extra="ignore")
 
     level: Annotated[str, BeforeValidator(_log_level)] = "INFO"
     #: ``text`` for a terminal, ``json`` (one object per line) for a log pipeline.
     format: Annotated[Literal["text", "json"], BeforeValidator(lambda v: str(v).strip().lower())] = "text"
+    #: ``otlp`` also sends every record to the OpenTelemetry collector; unset defers to ``OTEL_LOGS_EXPORTER``.
+    exporter: Annotated[Literal["otlp", "none"] | None, BeforeValidator(lambda v: str(v).strip().lower())] = None
 
     @property
     def level_number(self) -> int:
@@ -658,7 +660,7 @@ class OtelSettings(BaseSettings):
     """The standard ``OTEL_*`` variables the kit reads itself.
 
     The SDK reads the rest (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``,
-    ``OTEL_TRACES_SAMPLER*``, ``OTEL_BSP_*``, ``OTEL_EXPORTER_OTLP_*``).
+    ``OTEL_TRACES_SAMPLER*``, ``OTEL_BSP_*``, ``OTEL_BLRP_*``, ``OTEL_EXPORTER_OTLP_*``).
     """
 
     model_config = SettingsConfigDict(env_prefix="OTEL_", extra="ignore")
@@ -669,6 +671,9 @@ class OtelSettings(BaseSettings):
     traces_exporter: Exporters = None
     #: As above, plus ``prometheus`` (the multi-process endpoint).
     metrics_exporter: Exporters = None
+    #: ``otlp``, ``console``, ``none`` or an ``opentelemetry_logs_exporter`` entry point; unset means
+    #: ``none`` whatever the endpoint, unlike the SDK's default: turning traces on must not start shipping logs.
+    logs_exporter: Exporters = None
     exporter_otlp_endpoint: str | None = None
     exporter_otlp_traces_endpoint: str | None = None
     exporter_otlp_metrics_endpoint: str | None = None
@@ -691,6 +696,18 @@ class OtelSettings(BaseSettings):
         if self.metrics_exporter is not None:
             return self.metrics_exporter
         return ("otlp",) if self.exporter_otlp_endpoint or self.exporter_otlp_metrics_endpoint else ()
+
+    def logs(self, log_exporter: str | None = None) -> tuple[str, ...]:
+        """Where log records go: ``LOG_EXPORTER`` (``log_exporter``) when set, else ``OTEL_LOGS_EXPORTER``.
+
+        The kit's own variable wins: it is the one written for this application,
+        where ``OTEL_*`` may come from the platform's defaults for every service.
+        """
+        if self.sdk_disabled:
+            return ()
+        if log_exporter is not None:
+            return () if log_exporter == "none" else (log_exporter,)
+        return self.logs_exporter or ()
 
 
 class SentrySettings(BaseSettings):
