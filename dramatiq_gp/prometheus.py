@@ -15,7 +15,6 @@ are removed when a process starts.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -25,7 +24,6 @@ import tempfile
 import threading
 from collections import defaultdict
 from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +36,8 @@ from opentelemetry.sdk.metrics.export import (
     MetricsData,
     Sum,
 )
+
+from .endpoint import Endpoint, Response
 
 logger = logging.getLogger(__name__)
 
@@ -208,50 +208,10 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-class Endpoint:
+def endpoint(directory: Path, host: str, port: int) -> Endpoint:
     """Serves ``/metrics`` from ``directory`` on ``host:port`` in whichever process binds first."""
 
-    def __init__(self, directory: Path, host: str, port: int, *, retry_s: float = 5.0) -> None:
-        self.directory, self.host, self.port, self.retry_s = directory, host, port, retry_s
-        self._server: ThreadingHTTPServer | None = None
-        self._stop = threading.Event()
+    def metrics() -> Response:
+        return 200, "text/plain; version=0.0.4; charset=utf-8", render(directory).encode()
 
-    def start(self) -> None:
-        threading.Thread(target=self._run, name="metrics-endpoint", daemon=True).start()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-
-    def _run(self) -> None:
-        directory = self.directory
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404)
-                    return
-                body = render(directory).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # a scrape every few seconds is not worth a log line
-
-        while not self._stop.is_set():
-            try:
-                self._server = ThreadingHTTPServer((self.host, self.port), Handler)
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    logger.error("metrics: cannot serve Prometheus on %s:%d: %s", self.host, self.port, exc)
-                    return
-                self._stop.wait(self.retry_s)  # another process serves; take over if it goes
-                continue
-            logger.info("metrics: serving Prometheus on http://%s:%d/metrics", self.host, self.port)
-            self._server.serve_forever(poll_interval=0.5)
-            return
+    return Endpoint("metrics", host, port, {"/metrics": metrics, "/": metrics})

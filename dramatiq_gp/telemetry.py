@@ -436,12 +436,12 @@ class Telemetry:
             PeriodicExportingMetricReader(make(), export_interval_millis=interval) for make in self._metric_exporters
         ]
         if self.prometheus:
-            from .prometheus import Endpoint, SnapshotReader, snapshot_dir
+            from .prometheus import SnapshotReader, endpoint, snapshot_dir
 
             otel = self.settings.otel
             directory = snapshot_dir(self.namespace, otel.exporter_prometheus_port)
             readers.append(SnapshotReader(directory, interval_ms=interval))
-            self._endpoint = Endpoint(directory, otel.exporter_prometheus_host, otel.exporter_prometheus_port)
+            self._endpoint = endpoint(directory, otel.exporter_prometheus_host, otel.exporter_prometheus_port)
             self._endpoint.start()
         provider = MeterProvider(metric_readers=readers)
         metrics.set_meter_provider(provider)
