@@ -17,7 +17,8 @@ without scanning the keyspace: ``<ns>:gp:queues`` (the queues consumed),
 ``<ns>:gp:workers`` (the worker processes), ``<ns>:gp:health`` (each one's health), ``<ns>:gp:throughput:<minute>`` (the
 messages settled per queue and minute), ``<ns>:gp:failures`` (the latest
 failures); on RabbitMQ, ``<ns>:gp:unconfirmed`` (the queues whose sends go
-unconfirmed) and ``<ns>:gp:held:<broker id>`` (what a worker process holds);
+unconfirmed), ``<ns>:gp:held:<broker id>`` (what a worker process holds) and
+``<ns>:gp:fetched`` (when each queue's last received message became ready);
 the listeners the worker processes declare, which every fan-out reaches:
 ``<ns>:gp:listeners``, ``<ns>:gp:listeners:seen``, ``<ns>:gp:listeners:version``
 and ``<ns>:gp:listeners:retired``. The scheduler's,
@@ -96,6 +97,12 @@ def failures(namespace: str) -> str:
 def held(namespace: str, broker_id: str) -> str:
     """Queue → messages one RabbitMQ worker process holds unsettled, as of its last beat (a hash)."""
     return f"{namespace}:gp:held:{broker_id}"
+
+
+def fetched(namespace: str) -> str:
+    """RabbitMQ queue → when (ms) the last message a worker process received from it became ready, as of that
+    process's last beat (a hash): the exporter's estimate of the oldest ready message's age."""
+    return f"{namespace}:gp:fetched"
 
 
 def unconfirmed(namespace: str) -> str:
