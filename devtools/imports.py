@@ -27,6 +27,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "records",
             "tracecontext",
             "metrics",
+            "endpoint",
+            "health",
             "prometheus",
             "settings",
             "aio",
