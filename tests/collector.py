@@ -1,7 +1,7 @@
 """A local stand-in for an OpenTelemetry collector and a Sentry server, speaking their real protocols.
 
 Workers export to it as they would in production: OTLP/HTTP protobuf on
-``/v1/traces`` and ``/v1/metrics``, Sentry envelopes on ``/api/<project>/envelope/``.
+``/v1/traces``, ``/v1/metrics`` and ``/v1/logs``, Sentry envelopes on ``/api/<project>/envelope/``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 
@@ -35,8 +36,20 @@ class Span:
 
 
 @dataclass
+class Log:
+    body: Any
+    severity: str
+    trace_id: str  # "" outside a span
+    span_id: str
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+
+
+@dataclass
 class Collector:
     spans: list[Span] = field(default_factory=list)
+    logs: list[Log] = field(default_factory=list)
+    log_requests: int = 0
     envelopes: list[list[tuple[dict[str, Any], Any]]] = field(default_factory=list)
     metric_requests: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -61,6 +74,10 @@ class Collector:
         with self.lock:
             return [span for span in self.spans if span.name.startswith(prefix)]
 
+    def logs_starting(self, prefix: str) -> list[Log]:
+        with self.lock:
+            return [log for log in self.logs if isinstance(log.body, str) and log.body.startswith(prefix)]
+
     def receive(self, path: str, body: bytes) -> None:
         if path == "/v1/traces":
             request = ExportTraceServiceRequest.FromString(body)
@@ -72,6 +89,17 @@ class Collector:
             ]
             with self.lock:
                 self.spans.extend(spans)
+        elif path == "/v1/logs":
+            logs = ExportLogsServiceRequest.FromString(body)
+            records = [
+                _log(record, {a.key: _value(a.value) for a in resource.resource.attributes})
+                for resource in logs.resource_logs
+                for scope in resource.scope_logs
+                for record in scope.log_records
+            ]
+            with self.lock:
+                self.log_requests += 1
+                self.logs.extend(records)
         elif path == "/v1/metrics":
             with self.lock:
                 self.metric_requests += 1
@@ -99,6 +127,17 @@ def _span(span: Any) -> Span:
         links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
         status=span.status.code,
         events=[event.name for event in span.events],
+    )
+
+
+def _log(record: Any, resource: dict[str, Any]) -> Log:
+    return Log(
+        body=_value(record.body),
+        severity=record.severity_text,
+        trace_id=record.trace_id.hex(),
+        span_id=record.span_id.hex(),
+        attributes={a.key: _value(a.value) for a in record.attributes},
+        resource=resource,
     )
 
 
