@@ -22,6 +22,28 @@ logger = logging.getLogger(__name__)
 Response = tuple[int, str, bytes]
 
 
+def handler(routes: Mapping[str, Callable[[], Response]]) -> type[BaseHTTPRequestHandler]:
+    """A request handler answering a GET of each path of ``routes`` with its function's response, anything else 404."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            route = routes.get(self.path.split("?")[0])
+            if route is None:
+                self.send_error(404)
+                return
+            status, content_type, body = route()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # a probe or a scrape every few seconds is not worth a log line
+
+    return Handler
+
+
 class Endpoint:
     """Serves ``routes`` (path → a function answering it) on ``host:port`` in whichever process binds first."""
 
@@ -43,26 +65,9 @@ class Endpoint:
 
     def _run(self) -> None:
         routes = self.routes
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                route = routes.get(self.path.split("?")[0])
-                if route is None:
-                    self.send_error(404)
-                    return
-                status, content_type, body = route()
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # a probe or a scrape every few seconds is not worth a log line
-
         while not self._stop.is_set():
             try:
-                self._server = ThreadingHTTPServer((self.host, self.port), Handler)
+                self._server = ThreadingHTTPServer((self.host, self.port), handler(routes))
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     logger.error("%s: cannot serve on %s:%d: %s", self.name, self.host, self.port, exc)

@@ -23,7 +23,7 @@ import re
 import tempfile
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,14 @@ def render(directory: Path) -> str:
                 seen["count"] += sample["count"]
             else:
                 values[sample["name"]][key] = (seen or 0) + sample["value"]
+    return exposition(families, values)
+
+
+def exposition(
+    families: Mapping[str, Mapping[str, Any]], values: Mapping[str, Mapping[tuple[tuple[str, str], ...], Any]]
+) -> str:
+    """The Prometheus text format of ``families`` (name → ``kind`` and ``help``) and their ``values`` (name → the
+    sorted label pairs → a number, or for a histogram its ``bounds``, ``counts``, ``sum`` and ``count``)."""
     lines = []
     for name in sorted(families):
         family = families[name]
