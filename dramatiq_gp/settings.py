@@ -630,7 +630,7 @@ class LogSettings(BaseSettings):
     #: ``text`` for a terminal, ``json`` (one object per line) for a log pipeline.
     format: Annotated[Literal["text", "json"], BeforeValidator(lambda v: str(v).strip().lower())] = "text"
     #: ``otlp`` also sends every record to the OpenTelemetry collector; unset defers to ``OTEL_LOGS_EXPORTER``.
-    exporter: Annotated[Literal["otlp", "none"] | None, BeforeValidator(lambda v: str(v).strip().lower())] = None
+    exporter: Annotated[Literal["otlp", "none"] | None, BeforeValidator(lambda v: v and str(v).strip().lower())] = None
 
     @property
     def level_number(self) -> int:

@@ -75,6 +75,8 @@ def test_worker_variables(env):
         ("LOG_LEVEL", "loud", "LOG_LEVEL='loud': expected one of"),
         ("REDIS_URL", "http://bob:hunter2@cache/0", "REDIS_URL='http://bob:***@cache/0' has scheme 'http'"),
         ("LOG_FORMAT", "xml", "LOG_FORMAT='xml'"),
+        ("LOG_EXPORTER", "loki", "LOG_EXPORTER='loki': Input should be 'otlp' or 'none'"),
+        ("OTEL_LOGS_EXPORTER", "otlp,none", "OTEL_LOGS_EXPORTER='otlp,none': 'none' cannot be combined"),
         ("OTEL_TRACES_EXPORTER", "none,otlp", "OTEL_TRACES_EXPORTER='none,otlp': 'none' cannot be combined"),
         ("OTEL_EXPORTER_PROMETHEUS_PORT", "99999", "OTEL_EXPORTER_PROMETHEUS_PORT='99999'"),
         ("SENTRY_TRACES_SAMPLE_RATE", "2", "SENTRY_TRACES_SAMPLE_RATE='2'"),
