@@ -782,6 +782,37 @@ def dashboard(host: str, port: int, read_only: bool) -> None:
     )
 
 
+# -- health ------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--ready", is_flag=True, help="ready, not only alive: booted, dependencies answering, not draining")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object: the verdict and every process's report")
+def health(ready: bool, as_json: bool) -> None:
+    """Whether the worker processes on this machine (this container) are alive, or ready; exit code 0 or 1.
+
+    For an exec probe: it reads the reports the worker processes of this namespace
+    write locally every WORKER_HEALTH_INTERVAL, so it needs no port and no network,
+    and answers when Redis/Valkey is down (alive, not ready).
+
+    \b
+    Example:
+      dramatiq-gp health --ready
+    """
+    from .health import read, state_dir
+
+    settings = _settings()
+    verdict = read(state_dir(settings.redis.namespace))
+    if as_json:
+        click.echo(json.dumps(verdict.as_dict()))
+    ok = verdict.ready if ready else verdict.alive
+    state = "ready" if ready else "alive"
+    if not ok:
+        _fail(f"not {state}: {'; '.join(verdict.why)}")
+    if not as_json:
+        click.echo(f"{state}: {len(verdict.reports)} worker process(es)")
+
+
 # -- status ------------------------------------------------------------------------
 
 
@@ -859,6 +890,53 @@ def status(as_json: bool) -> None:
         )
     for task_type, count in report["skipped_task_types"].items():
         click.echo(f"skipped (no handler, kept as dead letters): {task_type}: {count}")
+
+
+# -- exporter ----------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--host", default="0.0.0.0", show_default=True, help="address to listen on")
+@click.option("--port", default=9191, show_default=True, type=click.IntRange(0, 65535), help="port to listen on")
+def exporter(host: str, port: int) -> None:
+    """Serve the queues, the outbox, the scheduler and the workers' health to Prometheus, on /metrics.
+
+    Run one for the whole deployment, not one per worker: each queue's messages are
+    counted once. Reads Redis (RabbitMQ when BROKER_URL is set, PostgreSQL when DB_URL
+    is) afresh at every scrape and writes nothing. A server out of reach is no error:
+    dramatiq_gp_exporter_source_up says so, and the rest still serves.
+
+    \b
+    Example:
+      dramatiq-gp exporter --port 9191
+    """
+    from http.server import ThreadingHTTPServer
+
+    from .endpoint import handler
+    from .exporter import Exporter
+
+    settings = _settings()
+    context = click.get_current_context()
+    # Not pinged: a Redis/Valkey down at start is a scrape's source_up 0, until it answers.
+    client = settings.redis.client(socket_connect_timeout=5, socket_timeout=5)
+    context.call_on_close(client.close)
+    engine = settings.db.engine() if settings.db.configured else None
+    if engine is not None:
+        context.call_on_close(engine.dispose)
+    metrics = Exporter(settings, client, engine)
+    try:
+        server = ThreadingHTTPServer((host, port), handler({"/metrics": metrics.scrape}))
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    reading = [settings.redis.display(), *([settings.rabbitmq.display()] if settings.rabbitmq.url else [])]
+    reading += [settings.db.display()] if engine is not None else []
+    click.echo(f"exporter on http://{host}:{server.server_address[1]}/metrics reading {', '.join(reading)}")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C: the end of a run by hand, not an error
+    finally:
+        server.server_close()
 
 
 if __name__ == "__main__":

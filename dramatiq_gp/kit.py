@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 RegisterFunc = Callable[[Registry, Schedule], None]
 M = TypeVar("M", bound=Middleware)
+C = TypeVar("C", bound=Callable[[], object])
 
 #: Seconds to wait for Redis to accept a connection before calling it unreachable.
 CONNECT_TIMEOUT_S = 5
@@ -132,6 +133,19 @@ class Kit:
         """Run ``close()`` at shutdown, after in-flight tasks drained (last added, first run)."""
         self.lifecycle.with_closer(name, close)
         return self
+
+    def health_check(self, check: C) -> C:
+        """Count each worker process ready only while ``check()`` passes: returns without raising, and not ``False``.
+
+        Run every ``WORKER_HEALTH_INTERVAL`` on a thread of its own, beside the kit's
+        (Redis/Valkey, the broker, the database); used as a decorator::
+
+            @kit.health_check
+            def search_index() -> None:
+                search.ping()
+        """
+        self.lifecycle.with_health_check(getattr(check, "__name__", repr(check)), check)
+        return check
 
     @overload
     def dispatch(self, event: object, /, *, envelope_id: str | None = None) -> str: ...

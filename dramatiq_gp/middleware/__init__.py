@@ -13,6 +13,7 @@ sentry-sdk (the ``sentry`` extra) is installed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -107,6 +108,9 @@ def default_middleware(
         telemetry=telemetry,
         shutdown_timeout_ms=_ms(worker.shutdown_timeout) if worker.shutdown_timeout is not None else None,
         display=settings.redis.display(),
+        health_interval=worker.health_interval,
+        health_port=worker.health_port,
+        health_host=worker.health_host,
     )
     producers: list[Middleware] = [
         SchedulerLease(
@@ -117,6 +121,7 @@ def default_middleware(
         engine = settings.db.engine()
         lifecycle.closers.kit.append(("outbox database", engine.dispose))
     if engine is not None:
+        lifecycle.with_health_check("database", _pinger(engine))
         from ..outbox import set_notify
 
         set_notify(settings.outbox.notify)
@@ -161,6 +166,14 @@ def _sentry(settings: Settings, telemetry: Telemetry, schedule: Schedule) -> lis
 
     sentry = settings.sentry
     return [Sentry(send_default_pii=sentry.send_default_pii, job_entry=job_entry if sentry.crons else None)]
+
+
+def _pinger(engine: sa.Engine) -> Callable[[], None]:
+    def ping() -> None:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    return ping
 
 
 def _ms(value: timedelta) -> int:

@@ -30,24 +30,27 @@ signal; ``ConsumerThread.stop()`` and its ``consumer`` attribute.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from types import FrameType
 from typing import Any
 
 import redis
-from dramatiq import Broker, Middleware, Worker, cli
+from dramatiq import ActorNotFound, Broker, Middleware, Worker, cli
 from dramatiq.broker import MessageProxy
 from dramatiq.cli import RET_CONNECT
+from dramatiq.middleware import TimeLimit
 from dramatiq.worker import ConsumerThread
 
 from ..aio import CANCEL_WAIT_S, cancel_coroutines
 from ..brokers.base import KitBroker
 from ..durations import format_duration
 from ..errors import BrokerUnreachable
+from ..health import WEDGED_AFTER_S, HealthCheck, Monitor
 from ..names import is_delay_queue
 from ..telemetry import Telemetry
 
@@ -146,11 +149,19 @@ class Lifecycle(Middleware):
     once needs one of the kit's brokers (elsewhere they come back after the
     broker's own timeout).
 
+    It also judges the process's health (:mod:`dramatiq_gp.health`): alive unless a
+    thread stopped or a task ran well past its time limit; ready once booted, while
+    Redis/Valkey, the broker and every health check answer, and until the drain starts.
+
     Parameters:
         telemetry: started at process boot, flushed last at shutdown.
         shutdown_timeout_ms: the drain limit (``WORKER_SHUTDOWN_TIMEOUT``); ``None``
             keeps the dramatiq CLI's ``--worker-shutdown-timeout``.
         display: how to name the broker's address in logs (passwords hidden).
+        health_checks: the application's checks (the seed's ``HealthCheckFunc``): each a
+            function, or a ``(name, function)`` pair, healthy unless it raises or returns ``False``.
+        health_interval: how often the checks run and the health is reported (``WORKER_HEALTH_INTERVAL``).
+        health_port: serve ``/livez`` and ``/readyz`` there (``WORKER_HEALTH_PORT``), on ``health_host``.
     """
 
     def __init__(
@@ -159,13 +170,24 @@ class Lifecycle(Middleware):
         telemetry: Telemetry | None = None,
         shutdown_timeout_ms: int | None = None,
         display: str | None = None,
+        health_checks: Iterable[HealthCheck | tuple[str, HealthCheck]] = (),
+        health_interval: timedelta = timedelta(seconds=5),
+        health_port: int | None = None,
+        health_host: str = "0.0.0.0",
     ) -> None:
         self.logger = logging.getLogger(f"{__name__}.{type(self).__name__}")
         self.telemetry = telemetry
         self.shutdown_timeout_ms = shutdown_timeout_ms
         self.display = display
         self.closers = Closers()
-        self._in_flight: dict[int, MessageProxy] = {}
+        self.health_checks: list[tuple[str, HealthCheck]] = [
+            check if isinstance(check, tuple) else (getattr(check, "__name__", repr(check)), check)
+            for check in health_checks
+        ]
+        self.health_interval, self.health_port, self.health_host = health_interval, health_port, health_host
+        self.health: Monitor | None = None
+        #: Thread → the message it runs and when it started (monotonic), for the drain and the health.
+        self._in_flight: dict[int, tuple[MessageProxy, float]] = {}
         self._drain_timeout_ms = 600_000
         self._signalled_at: float | None = None
         self._drain_deadline: float | None = None
@@ -175,11 +197,17 @@ class Lifecycle(Middleware):
         self.closers.app.append((name, close))
         return self
 
+    def with_health_check(self, name: str, check: HealthCheck) -> Lifecycle:
+        """Count this process ready only while ``check()`` returns without raising (and not ``False``)."""
+        self.health_checks.append((name, check))
+        return self
+
     def after_process_boot(self, broker: Broker) -> None:
         # Here, in the worker process and after the fork, not when the app is imported.
         if self.telemetry is not None:
             self.telemetry.start()
         client = getattr(broker, "client", None)
+        self._start_health(broker, client if isinstance(client, redis.Redis) else None)
         if not isinstance(client, redis.Redis):
             return
         where = self.display or _address(client)
@@ -202,6 +230,22 @@ class Lifecycle(Middleware):
             self.logger.info("start-up: broker reachable at %s; Redis/Valkey at %s", queues, where)
         else:
             self.logger.info("start-up: broker reachable at %s", where)
+
+    def _start_health(self, broker: Broker, client: redis.Redis | None) -> None:
+        """Report alive and booting from now on; the kit's own checks (Redis, the broker's queues) run first."""
+        checks: list[tuple[str, HealthCheck]] = [("redis", client.ping)] if client is not None else []
+        if isinstance(broker, KitBroker) and broker.queues_where():
+            checks.append(("broker", broker.ping_queues))
+        self.health = Monitor(
+            namespace=getattr(broker, "namespace", "dramatiq"),
+            interval_s=self.health_interval.total_seconds(),
+            checks=[*checks, *self.health_checks],
+            client=client,
+            broker_id=str(getattr(broker, "broker_id", os.getpid())),
+            port=self.health_port,
+            host=self.health_host,
+        )
+        self.health.booting()
 
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         stop = worker.stop
@@ -228,6 +272,33 @@ class Lifecycle(Middleware):
         for thread in worker.consumers.values():
             _wake_when_stopped(thread)
         self.take_over_stop_signal()
+        if self.health is not None:
+            self.health.start(lambda: self._stuck(broker, worker))
+
+    def _stuck(self, broker: Broker, worker: Worker) -> list[str]:
+        """Why this process is not alive: a worker or consumer thread that stopped, a task far past its limit."""
+        stuck = [
+            f"thread {thread.name} stopped"
+            for thread in [*worker.workers, *worker.consumers.values()]
+            if not thread.is_alive()
+        ]
+        limits = next((m for m in broker.middleware if isinstance(m, TimeLimit)), None)
+        now = time.monotonic()
+        for message, started in list(self._in_flight.values()):
+            if limits is None:
+                break
+            try:
+                actor = broker.get_actor(message.actor_name)
+            except ActorNotFound:
+                continue
+            # As TimeLimit reads it.
+            limit_s = (message.options.get("time_limit") or actor.options.get("time_limit", limits.time_limit)) / 1000
+            if now - started > limit_s + WEDGED_AFTER_S:
+                stuck.append(
+                    f"task {message.actor_name} ({message.message_id}) running for {now - started:.0f} s, "
+                    f"past its time limit of {limit_s:g} s"
+                )
+        return stuck
 
     def take_over_stop_signal(self) -> None:
         """Stop in the ``dramatiq`` worker process's SIGTERM handler, at once, and only once per stop.
@@ -257,6 +328,8 @@ class Lifecycle(Middleware):
                     dramatiqs(signum, frame)  # a second stop: Dramatiq's exits at once
                 return
             self._signalled_at = now
+            if self.health is not None:
+                self.health.draining()
             dramatiqs(signum, frame)  # "Stopping worker process...": its loop will not stop the worker again
             cli_frame = _worker_process_frame(frame)
             if cli_frame is None:
@@ -270,7 +343,7 @@ class Lifecycle(Middleware):
         return on_stop_signal
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        self._in_flight[threading.get_ident()] = message
+        self._in_flight[threading.get_ident()] = (message, time.monotonic())
 
     def after_process_message(
         self,
@@ -285,6 +358,8 @@ class Lifecycle(Middleware):
     after_skip_message = after_process_message
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        if self.health is not None:
+            self.health.draining()
         self.logger.info(
             "shutdown: draining in-flight tasks (up to %s)",
             format_duration(timedelta(milliseconds=self._drain_timeout_ms)),
@@ -303,6 +378,8 @@ class Lifecycle(Middleware):
             deadline = time.monotonic() + CANCEL_WAIT_S
             while self._in_flight and time.monotonic() < deadline:
                 time.sleep(0.01)
+        if self.health is not None:
+            self.health.stop()
         self.logger.info("shutdown: running closers")
         self.closers.run(self.logger)
         if self.telemetry is not None:
@@ -318,7 +395,7 @@ class Lifecycle(Middleware):
                 )
 
     def _return_unfinished(self, broker: Broker) -> None:
-        unfinished = list(self._in_flight.values())
+        unfinished = [message for message, _ in self._in_flight.values()]
         if not unfinished:
             self.logger.info("shutdown: in-flight tasks drained")
             return

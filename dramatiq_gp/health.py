@@ -1,0 +1,301 @@
+"""Whether a worker process is alive and ready, judged in the process and kept where a probe can read it.
+
+Two states, as an orchestrator's two probes ask them:
+
+* **alive**: its worker and consumer threads run, and no task has run past its
+  time limit by more than :data:`WEDGED_AFTER_S` (Dramatiq's ``TimeLimit`` raises in
+  the thread at the limit; a thread still busy well after that is stuck where an
+  exception cannot reach it, and only a restart frees it). Redis being down does
+  not make a process dead: a restart would not bring it back.
+* **ready**: booted, Redis/Valkey, the broker and the database answer, every
+  health check of the application passes, and it is not draining: readiness goes
+  false the moment the stop signal arrives.
+
+Each worker process runs its checks on a thread of its own every
+``WORKER_HEALTH_INTERVAL`` (a check that hangs is reported as hanging, and never
+blocks a probe), and writes its report to ``<dir>/<pid>.json``, one directory per
+namespace under the system's temporary directory, which every process of a
+``dramatiq -p N`` group shares. ``dramatiq-gp health`` (an exec probe) and the
+``/livez`` and ``/readyz`` routes (``WORKER_HEALTH_PORT``, served by one process of
+the group) read that directory, so they answer for every process of the container
+and need no network. A report older than :data:`STALE_INTERVALS` intervals means
+its process has stopped reporting: it counts as not alive. Each process also
+records its report in Redis (``<ns>:gp:health``), for the exporter and the dashboard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from . import keys
+from .endpoint import Endpoint, Response
+
+logger = logging.getLogger(__name__)
+
+#: A health check: healthy when it returns anything but ``False`` without raising (the seed's ``HealthCheckFunc``).
+HealthCheck = Callable[[], object]
+
+#: How long past its time limit a task may still run before its thread counts as wedged.
+WEDGED_AFTER_S = 10.0
+#: A report this many intervals old means its process stopped reporting (frozen, or its health thread died).
+STALE_INTERVALS = 3
+#: How much of a failing check's error a report keeps.
+ERROR_CHARS = 200
+
+
+def state_dir(namespace: str) -> Path:
+    """Where the worker processes of ``namespace`` on this machine (this container) write their reports."""
+    return Path(tempfile.gettempdir()) / f"dramatiq-gp-health-{namespace}"
+
+
+@dataclass
+class Report:
+    """One worker process's health, as it writes it."""
+
+    pid: int
+    host: str
+    alive: bool
+    ready: bool
+    #: Why it is not alive or not ready, one line each (``booting``, ``draining``, ``redis: Error 111 ...``).
+    failing: list[str]
+    at_ms: int
+    interval_ms: int
+
+    def stale(self, now_ms: int) -> bool:
+        return now_ms - self.at_ms > STALE_INTERVALS * self.interval_ms
+
+
+@dataclass
+class Verdict:
+    """What a probe answers for every worker process of the container."""
+
+    alive: bool
+    ready: bool
+    reports: list[Report] = field(default_factory=list)
+    #: Why not, one line per process that is not alive (or, for readiness, not ready).
+    why: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "alive": self.alive,
+            "ready": self.ready,
+            "why": self.why,
+            "processes": [asdict(r) for r in self.reports],
+        }
+
+
+def read(directory: Path, now_ms: int | None = None) -> Verdict:
+    """The health of the live worker processes reporting in ``directory``; no process reporting is neither."""
+    now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
+    reports = []
+    for path in sorted(directory.glob("*.json")):
+        if not path.stem.isdigit() or not _alive(int(path.stem)):
+            continue  # its process is gone (the dramatiq parent ends the group when a child dies)
+        try:
+            reports.append(Report(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # being replaced right now
+    if not reports:
+        return Verdict(False, False, [], ["no worker process has reported here"])
+    dead, unready = [], []
+    for report in reports:
+        if report.stale(now_ms):
+            dead.append(f"pid {report.pid}: no report for {(now_ms - report.at_ms) / 1000:.0f} s")
+        elif not report.alive:
+            dead.append(f"pid {report.pid}: {'; '.join(report.failing)}")
+        elif not report.ready:
+            unready.append(f"pid {report.pid}: {'; '.join(report.failing)}")
+    return Verdict(not dead, not dead and not unready, reports, dead + unready)
+
+
+def routes(directory: Path) -> dict[str, Callable[[], Response]]:
+    """``/livez`` and ``/readyz``: 200 when every process of the group is alive (ready), else 503; JSON."""
+
+    def answer(state: str) -> Callable[[], Response]:
+        def route() -> Response:
+            verdict = read(directory)
+            ok = verdict.alive if state == "alive" else verdict.ready
+            return 200 if ok else 503, "application/json", json.dumps(verdict.as_dict()).encode()
+
+        return route
+
+    return {"/livez": answer("alive"), "/readyz": answer("ready")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Monitor:
+    """Judges this worker process's health every ``interval_s`` and reports it (file, Redis, endpoint).
+
+    Parameters:
+        namespace: whose directory and Redis hash the report goes to.
+        interval_s: ``WORKER_HEALTH_INTERVAL``.
+        checks: named checks, run in order every interval on one thread: the kit's (Redis,
+            the broker, the database) and the application's.
+        client: where the report is also recorded (``<ns>:gp:health``), under ``broker_id``.
+        port: serve ``/livez`` and ``/readyz`` there (``WORKER_HEALTH_PORT``), on ``host``.
+    """
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        interval_s: float,
+        checks: Iterable[tuple[str, HealthCheck]] = (),
+        client: redis.Redis | None = None,
+        broker_id: str = "",
+        port: int | None = None,
+        host: str = "0.0.0.0",
+    ) -> None:
+        self.namespace, self.interval_s = namespace, interval_s
+        self.liveness: Callable[[], list[str]] = list
+        self.checks = list(checks)
+        self.client, self.broker_id = client, broker_id
+        self.directory = state_dir(namespace)
+        self.path = self.directory / f"{os.getpid()}.json"
+        self._endpoint = Endpoint("health", host, port, routes(self.directory)) if port else None
+        self._booted = False
+        self._draining = False
+        self._failing: list[str] = []
+        self._round_started: float | None = None
+        self._running: str = ""
+        self._unrecorded = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def booting(self) -> None:
+        """Report alive and not yet ready, so a liveness probe passes while the process boots."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for stale in self.directory.glob("*.json"):
+            if stale.stem.isdigit() and not _alive(int(stale.stem)):
+                stale.unlink(missing_ok=True)
+        self._write(self._report())
+        if self._endpoint is not None:
+            self._endpoint.start()
+
+    def start(self, liveness: Callable[[], list[str]]) -> None:
+        """The process has booted: check and report every interval from now on.
+
+        ``liveness`` returns why the process is not alive (stuck threads), nothing when it is.
+        """
+        self.liveness = liveness
+        self._booted = True
+        # Two threads: a check that hangs must not stop the reports that say it hangs.
+        for target, name in (
+            (self._check_every_interval, "gp-health-checks"),
+            (self._report_every_interval, "gp-health"),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def draining(self) -> None:
+        """Not ready from now on: reported at once (a probe reads the file), and in Redis on the next round."""
+        self._draining = True
+        self._write(self._report())
+
+    def stop(self) -> None:
+        """The process is about to exit: stop reporting and take its report away."""
+        self._stop.set()
+        if self._endpoint is not None:
+            self._endpoint.close()
+        self.path.unlink(missing_ok=True)
+        if self.client is not None:
+            try:
+                self.client.hdel(keys.health(self.namespace), self.broker_id)
+            except redis.RedisError as exc:
+                logger.warning("could not remove this worker's health record from Redis: %s", exc)
+
+    def _report(self) -> Report:
+        dead = self.liveness() if self._booted and not self._draining else []
+        failing = list(dead)
+        if not self._booted:
+            failing.append("booting")
+        elif self._draining:
+            failing.append("draining")
+        else:
+            failing.extend(self._failing)
+            started = self._round_started
+            if started is not None and time.monotonic() - started > 2 * self.interval_s:
+                failing.append(f"health check {self._running} running for {time.monotonic() - started:.0f} s")
+        return Report(
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            alive=not dead,
+            ready=not failing,
+            failing=failing,
+            at_ms=int(time.time() * 1000),
+            interval_ms=int(self.interval_s * 1000),
+        )
+
+    def _write(self, report: Report) -> None:
+        with self._lock:  # the drain's write and the thread's must not interleave on the temporary file
+            temporary = self.path.with_suffix(".tmp")
+            try:
+                temporary.write_text(json.dumps(asdict(report)))
+                temporary.replace(self.path)
+            except OSError as exc:
+                logger.warning("could not write this worker's health report %s: %s", self.path, exc)
+
+    def _report_every_interval(self) -> None:
+        while True:
+            try:
+                self._write(self._report())
+            except Exception:
+                logger.exception("could not judge this worker's health")
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _check_every_interval(self) -> None:
+        while True:
+            started = time.monotonic()
+            self._round_started = started
+            failing = []
+            for name, check in self.checks:
+                self._running = name
+                try:
+                    healthy = check() is not False
+                    error = "" if healthy else "failed"
+                except Exception as exc:  # a check's failure is its verdict, reported, not raised
+                    error = " ".join(str(exc).split())[:ERROR_CHARS] or type(exc).__name__
+                if error:
+                    failing.append(f"{name}: {error}")
+            self._failing, self._round_started = failing, None
+            self._record()
+            if self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started))):
+                return
+
+    def _record(self) -> None:
+        if self.client is None:
+            return
+        report = self._report()
+        try:
+            self.client.hset(keys.health(self.namespace), self.broker_id, json.dumps(asdict(report)))
+        except redis.RedisError as exc:
+            # Once per outage: the report a probe reads says "redis: ..." every round.
+            if not self._unrecorded:
+                logger.warning("could not record this worker's health in Redis: %s", exc)
+            self._unrecorded = True
+        else:
+            self._unrecorded = False

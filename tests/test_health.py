@@ -1,0 +1,207 @@
+"""Liveness and readiness of real ``dramatiq`` worker processes: the HTTP probes and ``dramatiq-gp health``.
+
+Each worker process judges itself every ``WORKER_HEALTH_INTERVAL`` (200 ms here) and
+writes its report where the probes read it; these tests wedge a thread, stop Redis,
+fail an application check and start a drain, and read what an orchestrator would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import pytest
+import redis
+
+import dramatiq_gp as gp
+from devtools.services import server_port
+from dramatiq_gp import keys
+from helpers import wait_for
+from servers import OwnRedis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Worker:
+    """``dramatiq tests.apps.health_app -p <processes>`` with its health endpoint on a port of its own."""
+
+    def __init__(self, tmp_path: Path, redis_url: str, processes: int = 2, **env: str) -> None:
+        self.namespace = f"gp-health-{uuid.uuid4().hex[:8]}"
+        self.port = server_port()
+        self.marker = tmp_path / "unhealthy"
+        self.env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "VALKEY_NAMESPACE": self.namespace,
+            "WORKER_HEALTH_PORT": str(self.port),
+            "WORKER_HEALTH_HOST": "127.0.0.1",
+            "WORKER_HEALTH_INTERVAL": "200ms",
+            "GP_TEST_UNHEALTHY": str(self.marker),
+            **env,
+        }
+        self.log_file = tmp_path / "worker.log"
+        with open(self.log_file, "a") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "dramatiq", "tests.apps.health_app", "-p", str(processes), "-t", "2"],
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def probe(self, path: str) -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            body = error.read()
+            return error.code, json.loads(body) if error.headers["Content-Type"] == "application/json" else {}
+        except (urllib.error.URLError, ConnectionError):
+            return 0, {}
+
+    def health(self, *args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "dramatiq_gp", "health", *args]
+        return subprocess.run(command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=30)
+
+    def send(self, actor: str, *args: Any) -> None:
+        """Enqueue as a producer would, through the kit's broker in this process."""
+        broker = gp.RedisBroker(url=self.env["REDIS_URL"], namespace=self.namespace)
+        try:
+            broker.declare_queue("default")
+            broker.enqueue(dramatiq.Message("default", actor, args, {}, {}))
+        finally:
+            broker.close()
+
+    def signal(self, signum: int) -> None:
+        os.killpg(self.process.pid, signum)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    @property
+    def log(self) -> str:
+        return self.log_file.read_text()
+
+
+@pytest.fixture
+def worker(tmp_path: Path, redis_url: str) -> Iterator[Worker]:
+    started = Worker(tmp_path, redis_url)
+    try:
+        yield started
+    finally:
+        started.kill()
+
+
+def _ready(worker: Worker, processes: int = 2) -> None:
+    def up() -> bool:
+        status, body = worker.probe("/readyz")
+        return status == 200 and len(body["processes"]) == processes
+
+    wait_for(up, timeout=30, interval=0.1)
+
+
+def test_a_booted_worker_group_is_alive_and_ready_on_one_port_and_in_redis(worker: Worker, rdb: redis.Redis) -> None:
+    _ready(worker)
+    status, body = worker.probe("/livez")
+    assert status == 200 and body["alive"] is True
+    assert {p["pid"] for p in body["processes"]} == {p["pid"] for p in worker.probe("/readyz")[1]["processes"]}
+    assert worker.health().returncode == 0
+    ready = worker.health("--ready")
+    assert ready.returncode == 0, ready.stderr
+    assert ready.stdout.strip() == "ready: 2 worker process(es)"
+    records = wait_for(lambda: len(found := rdb.hgetall(keys.health(worker.namespace))) == 2 and found)
+    assert all(json.loads(r)["ready"] is True for r in records.values())
+    assert worker.probe("/nothing")[0] == 404
+
+
+def test_a_thread_wedged_past_its_time_limit_makes_the_worker_not_alive(worker: Worker) -> None:
+    _ready(worker)
+    worker.send("wedge")
+    # Its time limit is 1 s; past it by WEDGED_AFTER_S (10 s) the thread counts as stuck.
+    _, body = wait_for(lambda: (s := worker.probe("/livez"))[0] == 503 and s, timeout=30, interval=0.2)
+    assert any("wedge" in why and "past its time limit of 1 s" in why for why in body["why"]), body
+    result = worker.health()
+    assert result.returncode == 1
+    assert "not alive" in result.stderr and "past its time limit" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert worker.probe("/readyz")[0] == 503
+
+
+def test_redis_down_makes_the_worker_not_ready_but_still_alive(tmp_path: Path) -> None:
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    worker = Worker(tmp_path, server.url)
+    try:
+        _ready(worker)
+        server.stop()
+
+        def both_failing() -> bool:
+            status, body = worker.probe("/readyz")
+            failing = [p["failing"] for p in body.get("processes", [])]
+            return (
+                status == 503 and len(failing) == 2 and all(any(f.startswith("redis: ") for f in f_) for f_ in failing)
+            )
+
+        wait_for(both_failing, timeout=15, interval=0.1)
+        assert worker.probe("/livez")[0] == 200
+        assert worker.health().returncode == 0
+        not_ready = worker.health("--ready")
+        assert not_ready.returncode == 1 and "redis: " in not_ready.stderr
+        server.start()
+        _ready(worker)
+    finally:
+        worker.kill()
+        server.stop()
+
+
+def test_a_failing_application_check_makes_the_worker_not_ready_with_its_name_and_error(worker: Worker) -> None:
+    _ready(worker)
+    worker.marker.write_text("index unreachable")
+    _, body = wait_for(lambda: (s := worker.probe("/readyz"))[0] == 503 and s, timeout=15, interval=0.1)
+    assert "search_index: index unreachable" in body["processes"][0]["failing"], body
+    assert worker.probe("/livez")[0] == 200
+    worker.marker.unlink()
+    _ready(worker)
+
+
+def test_readiness_goes_false_the_moment_the_drain_starts(worker: Worker, rdb: redis.Redis) -> None:
+    _ready(worker)
+    worker.send("slow", 3)
+    wait_for(lambda: "slow" in worker.log or rdb.hlen(f"{worker.namespace}:default.msgs") == 0, timeout=15)
+    worker.signal(signal.SIGTERM)
+    # Within a fraction of the 200 ms interval: the signal handler writes the report itself.
+    _, body = wait_for(lambda: (s := worker.probe("/readyz"))[0] == 503 and s, timeout=2, interval=0.02)
+    assert any("draining" in p["failing"] for p in body["processes"]), body
+    assert worker.health("--ready").returncode == 1
+    assert worker.process.poll() is None  # still draining the slow task
+    assert worker.process.wait(30) == 0
+    assert worker.health().returncode == 1  # no process reports any more
+    assert rdb.hlen(keys.health(worker.namespace)) == 0
+
+
+def test_a_bad_health_port_stops_start_up_in_one_line(tmp_path: Path, redis_url: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dramatiq_gp", "health"],
+        cwd=ROOT,
+        env={**os.environ, "REDIS_URL": redis_url, "WORKER_HEALTH_PORT": "eighty"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "WORKER_HEALTH_PORT" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
