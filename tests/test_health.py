@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 import uuid
@@ -28,7 +30,7 @@ import dramatiq_gp as gp
 from devtools.services import server_port
 from dramatiq_gp import keys
 from helpers import wait_for
-from servers import OwnRedis
+from servers import OwnRabbitmq, OwnRedis, skip_without_rabbitmq
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,3 +207,30 @@ def test_a_bad_health_port_stops_start_up_in_one_line(tmp_path: Path, redis_url:
     assert result.returncode == 1
     assert "WORKER_HEALTH_PORT" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_rabbitmq_down_makes_a_worker_with_its_queues_there_not_ready_but_still_alive(
+    tmp_path: Path, redis_url: str
+) -> None:
+    skip_without_rabbitmq()
+    # Not tmp_path: as root that is under /tmp/pytest-of-root (0700), out of the user rabbitmq's reach.
+    directory = Path(tempfile.mkdtemp(prefix="gp-rabbitmq-health-"))
+    directory.chmod(0o755)
+    node = OwnRabbitmq(directory / "node")
+    node.start()
+    worker = Worker(tmp_path, redis_url, processes=1, BROKER_URL=node.url)
+    try:
+        _ready(worker, processes=1)
+        node.stop()
+
+        def broker_failing() -> bool:
+            status, body = worker.probe("/readyz")
+            failing = body["processes"][0]["failing"] if status == 503 else []
+            return any(f.startswith("broker: RabbitMQ unreachable") for f in failing)
+
+        wait_for(broker_failing, timeout=30, interval=0.2)
+        assert worker.probe("/livez")[0] == 200
+    finally:
+        worker.kill()
+        node.stop()
+        shutil.rmtree(directory, ignore_errors=True)
