@@ -25,6 +25,7 @@ records its report in Redis (``<ns>:gp:health``), for the exporter and the dashb
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -221,6 +222,8 @@ class Monitor:
         if self._endpoint is not None:
             self._endpoint.close()
         self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty: another process of the group still reports there
+            self.directory.rmdir()
         if self.client is not None:
             try:
                 self.client.hdel(keys.health(self.namespace), self.broker_id)
@@ -253,6 +256,8 @@ class Monitor:
         with self._lock:  # the drain's write and the thread's must not interleave on the temporary file
             temporary = self.path.with_suffix(".tmp")
             try:
+                # Again each time: the last process of a group to stop removes it, as another may be starting.
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
                 temporary.write_text(json.dumps(asdict(report)))
                 temporary.replace(self.path)
             except OSError as exc:

@@ -158,18 +158,23 @@ def test_the_overview_shows_the_queues_workers_throughput_and_failures_without_s
     assert "ada@example.com" not in failures  # the arguments are never kept
 
 
-def test_a_starting_consumer_drops_the_records_of_workers_gone_for_an_hour(make_kit, start_worker, namespace, rdb):
+def test_a_starting_consumer_drops_the_records_and_health_of_workers_gone_for_an_hour(
+    make_kit, start_worker, namespace, rdb
+):
     now = dramatiq.common.current_millis()
     workers = keys.workers(namespace)
     rdb.hset(workers, "gone", json.dumps({"host": "old", "pid": 1, "started_ms": now - 7_200_000}))
     rdb.hset(workers, "starting", json.dumps({"host": "new", "pid": 2, "started_ms": now - 1_000}))
     rdb.hset(workers, "alive", json.dumps({"host": "up", "pid": 3, "started_ms": now - 7_200_000}))
     rdb.zadd(keys.heartbeats(namespace), {"alive": now})
+    for worker in ("gone", "starting", "alive"):
+        rdb.hset(keys.health(namespace), worker, json.dumps({"alive": True, "ready": True}))
     kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
     dramatiq.actor(lambda: None, broker=kit.broker, actor_name="noop")
     start_worker(kit)
     wait_for(lambda: rdb.hexists(workers, kit.broker.broker_id))
     assert sorted(rdb.hkeys(workers)) == sorted(["starting", "alive", kit.broker.broker_id])
+    assert set(rdb.hkeys(keys.health(namespace))) - {kit.broker.broker_id} == {"alive", "starting"}
     assert rdb.smembers(keys.declared_queues(namespace)) == {"default"}
 
 

@@ -250,7 +250,7 @@ class KitBroker(Broker):
             prune = now - self.heartbeat_retention_ms if self.heartbeat_retention_ms else 0
             try:
                 self._register(
-                    keys=[keys.declared_queues(ns), keys.workers(ns), keys.heartbeats(ns)],
+                    keys=[keys.declared_queues(ns), keys.workers(ns), keys.heartbeats(ns), keys.health(ns)],
                     args=[queue_name, self.broker_id, json.dumps(worker), now, prune],
                 )
             except redis.RedisError as exc:

@@ -3,9 +3,9 @@
 -- over an hour ago and have no heartbeat (on Redis, Dramatiq's maintenance removes
 -- a dead worker's; on RabbitMQ, where no maintenance runs, heartbeats older than
 -- the given time are removed here), so the hash holds the live processes and a few
--- just gone.
+-- just gone; their health records (written every few seconds while they ran) go with them.
 --
--- KEYS: queues (a set), workers (a hash), heartbeats
+-- KEYS: queues (a set), workers (a hash), heartbeats, health (a hash)
 -- ARGV: queue name, broker id, the worker as JSON, now (ms), remove heartbeats
 --       older than this (ms; 0: none)
 redis.call("sadd", KEYS[1], ARGV[1])
@@ -19,6 +19,7 @@ for _, id in ipairs(redis.call("hkeys", KEYS[2])) do
         local ok, worker = pcall(cjson.decode, redis.call("hget", KEYS[2], id))
         if not ok or now - (tonumber(worker.started_ms) or 0) > 3600000 then
             redis.call("hdel", KEYS[2], id)
+            redis.call("hdel", KEYS[4], id)
         end
     end
 end
