@@ -33,7 +33,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis, dq_name, q_name
 from dramatiq.errors import BrokerConnectionError, ConnectionClosed, DecodeError
-from dramatiq.middleware import MiddlewareError, Retries, Shutdown, SkipMessage, TimeLimitExceeded
+from dramatiq.middleware import MiddlewareError, Retries, Shutdown, SkipMessage, TimeLimit, TimeLimitExceeded
 from dramatiq.rate_limits import RateLimitExceeded
 from dramatiq.threading import Interrupt
 from dramatiq.worker import ConsumerThread, WorkerThread, _WorkQueueItem
@@ -1232,3 +1232,34 @@ def test_an_async_actor_runs_on_the_event_loop_thread_in_a_copy_of_the_worker_th
     worker.stop()
     assert observed == [(f"worker thread's {message.message_id}", True)]
     assert get_event_loop_thread() is None  # AsyncIO's after_worker_shutdown cleared it
+
+
+def test_the_worker_holds_its_threads_and_time_limit_reads_the_message_then_the_actor_then_its_default(
+    connect, namespace
+):
+    broker = connect(namespace, middleware=[TimeLimit(time_limit=7_000)])
+    limits = next(m for m in broker.middleware if isinstance(m, TimeLimit))
+    assert limits.time_limit == 7_000
+    _declare(broker, "limited", lambda: None, time_limit=3_000)
+    _declare(broker, "unlimited", lambda: None)
+    worker = Worker(broker, worker_threads=2, worker_timeout=100)
+    worker.start()
+    try:
+        assert len(worker.workers) == 2 and all(isinstance(t, WorkerThread) for t in worker.workers)
+        assert all(t.is_alive() for t in worker.workers)
+        assert {q for q in worker.consumers if not q.endswith(".DQ")} == {Q}
+        assert all(isinstance(t, ConsumerThread) and t.is_alive() for t in worker.consumers.values())
+    finally:
+        worker.stop()
+    assert not any(t.is_alive() for t in [*worker.workers, *worker.consumers.values()])
+    # The limit TimeLimit applies, as the kit reads it: the message's, else the actor's, else its default.
+    for actor_name, options, expected in [
+        ("limited", {"time_limit": 500}, 500),
+        ("limited", {}, 3_000),
+        ("unlimited", {}, 7_000),
+    ]:
+        message = _message(actor_name, **options)
+        actor = broker.get_actor(actor_name)
+        read = message.options.get("time_limit") or actor.options.get("time_limit", limits.time_limit)
+        assert read == expected
+    assert "time_limit" in TimeLimit().actor_options
