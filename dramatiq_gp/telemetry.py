@@ -1,4 +1,4 @@
-"""Telemetry: logs from the moment a Kit is built, traces, metrics and Sentry in each worker process.
+"""Telemetry: logs from the moment a Kit is built, traces, metrics, OTLP logs and Sentry in each worker process.
 
 Logging is configured when the :class:`~dramatiq_gp.Kit` is built, so start-up
 lines already have their final format. Exporters, the meter and Sentry start in
@@ -37,6 +37,7 @@ from .errors import ConfigError
 from .settings import LogSettings, Settings
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
     from opentelemetry.sdk.trace import TracerProvider
@@ -203,6 +204,8 @@ def configure_logging(settings: LogSettings, *, send_default_pii: bool = False) 
     elif settings.level_was_set:
         root.setLevel(settings.level_number)
     for handler in root.handlers:
+        if handler.name == OTLP_HANDLER_NAME:
+            continue  # records, not lines: a formatter would make the body a whole line, time and all
         handler.setFormatter(json_formatter() if settings.format == "json" else TextFormatter())
         if not any(isinstance(f, TraceIds) for f in handler.filters):
             handler.addFilter(TraceIds())
@@ -231,14 +234,17 @@ def _protocol(signal: str) -> str:
     return (value or "http/protobuf").strip().lower()
 
 
-def _otlp(signal: str, class_name: str) -> Callable[[], Any]:
+#: Each signal's module under ``opentelemetry.exporter.otlp.proto.<transport>``: the logs one is still underscored.
+_OTLP_MODULES = {"trace": "trace_exporter", "metric": "metric_exporter", "log": "_log_exporter"}
+
+
+def _otlp(signal: str, class_name: str, variable: str) -> Callable[[], Any]:
     transport = "grpc" if _protocol(signal.upper()) == "grpc" else "http"
-    module = f"opentelemetry.exporter.otlp.proto.{transport}.{signal}_exporter"
+    module = f"opentelemetry.exporter.otlp.proto.{transport}.{_OTLP_MODULES[signal]}"
     try:
         factory: Callable[[], Any] = getattr(importlib.import_module(module), class_name)
     except ImportError:
         extra = _OTLP_EXTRA if transport == "http" else "pip install opentelemetry-exporter-otlp-proto-grpc"
-        variable = "OTEL_TRACES_EXPORTER" if signal == "trace" else "OTEL_METRICS_EXPORTER"
         raise ConfigError(f"{variable}=otlp needs the OTLP exporter ({transport}): {extra}") from None
     return factory
 
@@ -250,7 +256,7 @@ def span_exporter_factory(name: str) -> Callable[[], SpanExporter]:
         ConfigError: unknown name, or its package is not installed.
     """
     if name == "otlp":
-        return _otlp("trace", "OTLPSpanExporter")
+        return _otlp("trace", "OTLPSpanExporter", "OTEL_TRACES_EXPORTER")
     return _entry_point("opentelemetry_traces_exporter", name, "OTEL_TRACES_EXPORTER")
 
 
@@ -261,8 +267,68 @@ def metric_exporter_factory(name: str) -> Callable[[], MetricExporter]:
         ConfigError: unknown name, or its package is not installed.
     """
     if name == "otlp":
-        return _otlp("metric", "OTLPMetricExporter")
+        return _otlp("metric", "OTLPMetricExporter", "OTEL_METRICS_EXPORTER")
     return _entry_point("opentelemetry_metrics_exporter", name, "OTEL_METRICS_EXPORTER")
+
+
+def log_exporter_factory(name: str, variable: str = "OTEL_LOGS_EXPORTER") -> Callable[[], Any]:
+    """What builds the log record exporter called ``name``; ``variable`` is the one that named it.
+
+    Raises:
+        ConfigError: unknown name, or its package is not installed.
+    """
+    if name == "otlp":
+        return _otlp("log", "OTLPLogExporter", variable)
+    return _entry_point("opentelemetry_logs_exporter", name, variable)
+
+
+#: The name of the root handler :func:`otlp_log_handler` builds.
+OTLP_HANDLER_NAME = "dramatiq_gp.otlp_logs"
+
+
+def otlp_log_handler(provider: LoggerProvider, *, send_default_pii: bool = False) -> logging.Handler:
+    """The SDK's logging handler for the root logger, with the kit's limits: what goes over OTLP logs.
+
+    A record keeps its level, its message as the body, the trace and span of
+    the span it was logged in, and its ``extra`` fields as attributes (the task
+    log's ``task_type``, ``task_id``, ``attempt``...), as ``LOG_FORMAT=json``
+    writes them. On top of the SDK's own rules:
+
+    - the ``trace_id``/``span_id`` the text and JSON lines get are left out of
+      the attributes: the record's own fields carry them;
+    - an exception's message and stack trace are capped as the log lines' are
+      (:data:`MAX_ERROR_CHARS`, :data:`MAX_TRACEBACK_CHARS`): one 10 MB message
+      would make the batch too big to send, and lose the records around it;
+    - :class:`NoPayloads` keeps message arguments out, unless ``send_default_pii``;
+    - the OpenTelemetry SDK's own records stay out: an export failure sent over
+      the exporter that failed would feed itself, one record per failed batch.
+    """
+    import warnings
+
+    from opentelemetry.sdk._logs import LoggingHandler
+
+    class OtlpLogHandler(LoggingHandler):
+        @staticmethod
+        def _get_attributes(record: logging.LogRecord) -> Any:
+            attributes = dict(LoggingHandler._get_attributes(record) or {})
+            attributes.pop("trace_id", None)
+            attributes.pop("span_id", None)
+            for key, limit in (("exception.message", MAX_ERROR_CHARS), ("exception.stacktrace", MAX_TRACEBACK_CHARS)):
+                value = attributes.get(key)
+                if isinstance(value, str):
+                    attributes[key] = capped(value, limit)
+            return attributes
+
+    with warnings.catch_warnings():
+        # The SDK points to opentelemetry-instrumentation-logging's handler instead, one more
+        # package for the same translation; this one is there in every SDK the kit supports.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        handler = OtlpLogHandler(logger_provider=provider)
+    handler.name = OTLP_HANDLER_NAME
+    handler.addFilter(lambda record: record.name != "opentelemetry" and not record.name.startswith("opentelemetry."))
+    if not send_default_pii:
+        handler.addFilter(NoPayloads())
+    return handler
 
 
 def application_tracer_provider() -> bool:
@@ -314,6 +380,8 @@ class Telemetry:
         otel = settings.otel
         self._span_exporters = [span_exporter_factory(name) for name in otel.traces()]
         self._metric_exporters = [metric_exporter_factory(name) for name in otel.metrics() if name != "prometheus"]
+        variable = "LOG_EXPORTER" if settings.log.exporter is not None else "OTEL_LOGS_EXPORTER"
+        self._log_exporters = [log_exporter_factory(name, variable) for name in otel.logs(settings.log.exporter)]
         self.prometheus = "prometheus" in otel.metrics()
         if settings.sentry.dsn is not None:
             try:
@@ -326,6 +394,8 @@ class Telemetry:
         self.sentry = settings.sentry.dsn is not None or _sentry_active()
         self._tracer_provider: TracerProvider | None = None
         self._meter_provider: MeterProvider | None = None
+        self._logger_provider: LoggerProvider | None = None
+        self._log_handler: logging.Handler | None = None
         self._started_pid: int | None = None
         self._flushed = False
         self._endpoint: Any = None
@@ -348,6 +418,9 @@ class Telemetry:
         if (self._metric_exporters or self.prometheus) and not application_meter_provider():
             self._meter_provider = self._start_metrics()
             started.append(f"metrics to {', '.join(self.settings.otel.metrics())}")
+        if self._log_exporters:
+            self._start_logs()
+            started.append(f"logs to {', '.join(self.settings.otel.logs(self.settings.log.exporter))}")
         if self.settings.sentry.dsn is not None:
             if _sentry_active():
                 logger.info("start-up: Sentry was initialised by the application; using its client")
@@ -378,6 +451,11 @@ class Telemetry:
         if self._meter_provider is not None:
             meter_provider = self._meter_provider
             steps.append(("metrics", lambda: meter_provider.shutdown(FLUSH_TIMEOUT_MS)))
+        if self._logger_provider is not None:
+            # Off the root logger first: a record after the shutdown would only be dropped, with a line saying so.
+            if self._log_handler is not None:
+                logging.getLogger().removeHandler(self._log_handler)
+            steps.append(("log records", self._logger_provider.shutdown))
         if self._endpoint is not None:
             self._endpoint.close()
         if self.sentry:
@@ -446,6 +524,27 @@ class Telemetry:
         provider = MeterProvider(metric_readers=readers)
         metrics.set_meter_provider(provider)
         return provider
+
+    def _start_logs(self) -> None:
+        """Every record the root logger handles, at ``LOG_LEVEL``, also goes to the log exporters.
+
+        The root logger, not the task log's alone: an application's lines inside
+        a task are what the task log's lines are read beside, and carry the same
+        trace id. The provider is the kit's own, not installed as the global one,
+        so an application's own logging setup is left as it was.
+        """
+        from opentelemetry.sdk._logs import LoggerProvider
+        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+
+        provider = LoggerProvider()  # reads OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+        for make in self._log_exporters:
+            provider.add_log_record_processor(BatchLogRecordProcessor(make()))  # reads OTEL_BLRP_*
+        self._logger_provider = provider
+        root = logging.getLogger()
+        if self._log_handler is not None:  # started before a fork: the parent's exporter thread is not here
+            root.removeHandler(self._log_handler)
+        self._log_handler = otlp_log_handler(provider, send_default_pii=self.settings.sentry.send_default_pii)
+        root.addHandler(self._log_handler)
 
     def _start_sentry(self) -> None:
         import sentry_sdk
