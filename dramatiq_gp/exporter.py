@@ -4,10 +4,39 @@ The worker processes export what each of them does (:mod:`dramatiq_gp.prometheus
 what the deployment holds (messages waiting in each queue, the outbox's backlog,
 whether a scheduler leads) is the same whoever reads it, so one exporter reads it
 for all, and a sum over its series counts each message once. KEDA, an HPA or an
-alert rule read these names; the names differ from the workers' own on purpose.
+alert rule read these names; they differ from the workers' own on purpose.
+
+Each scrape reads afresh what the dashboard reads, through the same seams (the
+broker kind's :class:`~dramatiq_gp.brokers.view.QueueView`,
+:func:`~dramatiq_gp.scheduler.status.scheduler_status`,
+:func:`~dramatiq_gp.status.outbox_status`), bounded by the number of queues,
+workers and entries, never by the messages: no keyspace scan. It needs none of the
+dashboard's web packages. A source that cannot be read (Redis/Valkey, RabbitMQ, PostgreSQL)
+is ``dramatiq_gp_exporter_source_up 0`` and its series are left out; the others
+still serve. Only two things are remembered between scrapes, as no single read
+tells them: since when no scheduler has held the lease, and since when a RabbitMQ
+queue no worker has yet received from has had messages ready.
 """
 
 from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+
+from . import keys
+from .brokers.kinds import view_for
+from .endpoint import Response
+from .prometheus import exposition
+from .records import json_object, text
+from .scheduler.status import scheduler_status
+from .settings import Settings
+from .status import LIVE_MS, outbox_status
 
 #: Every metric the exporter serves: name → (Prometheus type, help). Alert rules and dashboards use these names.
 METRICS: dict[str, tuple[str, str]] = {
@@ -37,3 +66,158 @@ METRICS: dict[str, tuple[str, str]] = {
         "1 when the exporter could read a source (redis, rabbitmq, postgresql), else 0.",
     ),
 }
+
+#: A queue's states, as ``state`` labels, in :meth:`~dramatiq_gp.brokers.view.QueueView.counts`' keys.
+STATES = ("ready", "delayed", "in_flight", "dead")
+#: A worker's health record older than this many of its intervals (``WORKER_HEALTH_INTERVAL``) counts as 0.
+HEALTH_STALE_INTERVALS = 3
+
+Labels = tuple[tuple[str, str], ...]
+#: Metric name → label pairs → value.
+Samples = dict[str, dict[Labels, float]]
+
+
+class Exporter:
+    """The metrics of one deployment's settings, read afresh on each :meth:`scrape`."""
+
+    def __init__(self, settings: Settings, client: redis.Redis, engine: Any = None) -> None:
+        self.settings, self.client, self.engine = settings, client, engine
+        self.namespace = settings.redis.namespace
+        self.queue_view = view_for(settings, client)
+        self.scheduler_keys = keys.SchedulerKeys(settings.scheduler.namespace or self.namespace)
+        self.system = "redis" if settings.rabbitmq.url is None else "rabbitmq"
+        #: One scrape at a time: they share what is remembered below, and a scrape every few seconds never queues.
+        self._lock = threading.Lock()
+        #: RabbitMQ queue → when (ms) this exporter first saw it with messages ready and no worker's record.
+        self._ready_seen: dict[str, int] = {}
+        #: When (monotonic) this exporter first saw no leader, None while one leads.
+        self._leaderless_since: float | None = None
+
+    def scrape(self) -> Response:
+        """The answer to ``GET /metrics``."""
+        return 200, "text/plain; version=0.0.4; charset=utf-8", self.render().encode()
+
+    def render(self) -> str:
+        with self._lock:
+            samples = self.collect(int(time.time() * 1000))
+        families = {name: {"kind": kind, "help": help} for name, (kind, help) in METRICS.items() if name in samples}
+        return exposition(families, samples)
+
+    def collect(self, now_ms: int) -> Samples:
+        """Metric name → label pairs → value; the series of a source that could not be read are left out."""
+        samples: Samples = {}
+        tried, down = ["redis"], self._read(samples, lambda into: self._redis(into, now_ms))
+        if not down:
+            # Both kinds name their queues in Redis/Valkey (``<ns>:gp:queues``): nothing to ask RabbitMQ without it.
+            tried.append(self.system)
+            down |= self._read(samples, lambda into: self._queues(into, now_ms))
+        if self.engine is not None:
+            tried.append("postgresql")
+            down |= self._read(samples, self._outbox)
+        for source in dict.fromkeys(tried):
+            _gauge(samples, "dramatiq_gp_exporter_source_up", (("source", source),), int(source not in down))
+        ttl = self.settings.scheduler.lease_ttl.total_seconds()
+        _gauge(samples, "dramatiq_gp_scheduler_lease_ttl_seconds", (), ttl)
+        return samples
+
+    def _read(self, samples: Samples, read: Callable[[Samples], None]) -> set[str]:
+        """Add what ``read`` finds to ``samples`` if it all succeeds; else the source that failed it, as a set."""
+        into: Samples = {}
+        try:
+            read(into)
+        except redis.RedisError:  # first: the RabbitMQ view reads Redis/Valkey too
+            return {"redis"}
+        except self.queue_view.unreachable:
+            return {self.system}
+        except sa.exc.SQLAlchemyError:
+            return {"postgresql"}
+        for name, values in into.items():
+            samples.setdefault(name, {}).update(values)
+        return set()
+
+    def _redis(self, into: Samples, now_ms: int) -> None:
+        """The scheduler and the workers' health, from Redis/Valkey."""
+        scheduler = scheduler_status(self.client, self.scheduler_keys)
+        if scheduler["leader"] is not None:
+            self._leaderless_since = None
+        elif self._leaderless_since is None:
+            self._leaderless_since = time.monotonic()
+        since = self._leaderless_since
+        _gauge(into, "dramatiq_gp_scheduler_leader_present", (), int(since is None))
+        _gauge(into, "dramatiq_gp_scheduler_leaderless_seconds", (), 0 if since is None else time.monotonic() - since)
+        for entry in scheduler["entries"]:
+            labels = (("entry", entry["name"]),)
+            _gauge(into, "dramatiq_gp_schedule_paused", labels, int(entry["paused"] is not None))
+            fired = _timestamp(entry["last_fired"])
+            if fired is not None:
+                _gauge(into, "dramatiq_gp_schedule_last_fire_timestamp_seconds", labels, fired)
+        self._workers(into, now_ms)
+
+    def _workers(self, into: Samples, now_ms: int) -> None:
+        """Each worker process with a heartbeat in the last :data:`~dramatiq_gp.status.LIVE_MS` (as the dashboard
+        lists them) and a health record, written every ``WORKER_HEALTH_INTERVAL``: a record older than
+        :data:`HEALTH_STALE_INTERVALS` of them is a process that stopped judging itself, 0 for both."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zrangebyscore(keys.heartbeats(self.namespace), now_ms - LIVE_MS, "+inf")
+            pipe.hgetall(keys.health(self.namespace))
+            live, records = pipe.execute()
+        stale_ms = HEALTH_STALE_INTERVALS * self.settings.worker.health_interval.total_seconds() * 1000
+        for broker_id in live:
+            raw = records.get(broker_id)
+            if raw is None:
+                continue  # a process of a version that does not record its health
+            record = json_object(raw)
+            health = record if isinstance(record, dict) else {}  # unreadable: neither alive nor ready
+            at = health.get("at_ms")
+            fresh = isinstance(at, int | float) and not isinstance(at, bool) and now_ms - at <= stale_ms
+            worker = (("host", str(health.get("host"))), ("pid", str(health.get("pid"))), ("worker", text(broker_id)))
+            _gauge(into, "dramatiq_gp_worker_alive", worker, int(fresh and health.get("alive") is True))
+            _gauge(into, "dramatiq_gp_worker_ready", worker, int(fresh and health.get("ready") is True))
+
+    def _queues(self, into: Samples, now_ms: int) -> None:
+        """Each queue's counts by state, and the age of its oldest ready message.
+
+        A count that cannot be known now (RabbitMQ, after an unconfirmed send; a name
+        that is not UTF-8) is left out. On RabbitMQ the age is an estimate
+        (:meth:`~dramatiq_gp.brokers.rabbitmq_view.RabbitmqQueueView.ready_since`); before any
+        worker received from a queue, it counts from when this exporter first saw the
+        queue with messages ready.
+        """
+        view = self.queue_view
+        counts = view.counts()
+        waiting = [row["name"] for row in counts if row["ready"]]
+        since = view.ready_since(waiting) if waiting else {}
+        for row in counts:
+            queue = (("messaging_destination_name", row["name"]), ("messaging_system", self.system))
+            for state in STATES:
+                if row[state] is not None:
+                    _gauge(into, "dramatiq_gp_queue_messages", (*queue, ("state", state)), row[state])
+            if row["ready"] is None:
+                continue
+            ready_ms = since.get(row["name"])
+            if row["ready"] and ready_ms is None:
+                ready_ms = self._ready_seen.setdefault(row["name"], now_ms)
+            else:
+                self._ready_seen.pop(row["name"], None)
+            age = max(now_ms - ready_ms, 0) / 1000 if row["ready"] and ready_ms is not None else 0
+            _gauge(into, "dramatiq_gp_queue_oldest_ready_age_seconds", queue, age)
+        for gone in self._ready_seen.keys() - {row["name"] for row in counts}:
+            del self._ready_seen[gone]
+
+    def _outbox(self, into: Samples) -> None:
+        status = outbox_status(self.engine)
+        _gauge(into, "dramatiq_gp_outbox_pending_events", (), status["pending"])
+        _gauge(into, "dramatiq_gp_outbox_lag_seconds", (), status["oldest_pending_age_s"] or 0)
+        _gauge(into, "dramatiq_gp_outbox_set_aside_events", (), status["set_aside"])
+
+
+def _gauge(into: Samples, name: str, labels: Labels, value: float) -> None:
+    into.setdefault(name, {})[tuple(sorted(labels))] = value
+
+
+def _timestamp(fired: Any) -> float | None:
+    """An entry's last fire (an ISO time in its zone) as Unix time; None when it never fired or is marked."""
+    try:
+        return datetime.fromisoformat(fired).timestamp() if isinstance(fired, str) else None
+    except ValueError:
+        return None

@@ -14,6 +14,9 @@ import redis
 from . import keys
 from .records import garbled, raw_name, readable, text
 
+#: A worker process whose last heartbeat is older than this is gone (Dramatiq's default heartbeat timeout).
+LIVE_MS = 60_000
+
 
 def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int | str]:
     """Per task type, the messages skipped for want of a handler (in the dead-letter sets, last 7 days).

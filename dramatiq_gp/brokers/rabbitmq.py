@@ -97,6 +97,7 @@ from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed
 from .done_marks import with_library
 from .publisher import CONFIRM_TIMEOUT_S, BatchPublisher, NoReply, NotConfirmed
 from .settler import Settler
+from .view import ready_at
 
 logger = logging.getLogger(__name__)
 
@@ -339,9 +340,12 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         records the heartbeat and ``settle.lua`` counts. What this process holds
         unsettled, per queue (running or prefetched; on a delay queue, the delayed
         messages waiting in its memory until they are due), is what RabbitMQ's counts
-        leave out: ``dramatiq-gp status`` adds it. One round trip per beat, none per
-        message. Only the dashboard and status read them: a failure is logged, not
-        raised, and the counts wait for the next beat.
+        leave out: ``dramatiq-gp status`` adds it. So is when the last message each
+        consumer received became ready (``<ns>:gp:fetched``), which AMQP cannot tell
+        without taking the next one: ``dramatiq-gp exporter`` estimates the oldest
+        ready message's age from it. One round trip per beat, none per message. Only
+        the operator's tools read them: a failure is logged, not raised, and the
+        counts wait for the next beat.
         """
         if not now and time.monotonic() < self._beat_at:
             return
@@ -366,12 +370,29 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                 if held:
                     pipe.hset(held_key, items=[part for pair in held.items() for part in pair])
                     pipe.pexpire(held_key, int(3 * BEAT_EVERY_S * 1000))
+                fetched = self._fetched()
+                if fetched:
+                    pipe.hset(keys.fetched(self.namespace), items=[part for pair in fetched.items() for part in pair])
                 pipe.execute()
         except redis.RedisError as exc:
             with self._counts_lock:
                 for field, n in counts.items():
                     self._counts[field] = self._counts.get(field, 0) + n
             logger.warning("could not record this worker's heartbeat and throughput for the dashboard: %s", exc)
+
+    def _fetched(self) -> dict[str, int]:
+        """Per queue (a delay queue apart), when the last message a consumer received since the last beat became
+        ready; a consumer that received none since leaves its queue to the processes that did."""
+        fetched: dict[str, int] = {}
+        for consumer in list(self._consumers):
+            last = consumer.last_received
+            if last is None or last is consumer.last_recorded:
+                continue
+            consumer.last_recorded = last
+            at = ready_at(last.message_timestamp, last.options)
+            if at is not None:
+                fetched[consumer.queue_name] = at
+        return fetched
 
     def held(self) -> dict[str, int]:
         """Per queue (a delay queue apart), the messages this process's consumers hold unsettled."""
@@ -488,9 +509,12 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             raise
 
     def ping_queues(self) -> None:
+        # Opens this thread's connection, or reaches the server on the one it has: the health checks
+        # ask again every interval, and a connection that broke must not pass for one that answers.
         try:
-            self.connection  # noqa: B018 (opens this thread's connection)
+            self.connection.process_data_events(0)
         except pika.exceptions.AMQPError as exc:
+            del self.connection  # the next ping connects anew
             raise BrokerUnreachable(f"RabbitMQ unreachable at {self._where()}: {exc!r}") from None
 
     def queues_where(self) -> str:
@@ -586,6 +610,9 @@ class _Consumer(_RabbitmqConsumer):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)  # type: ignore[no-untyped-call]
         self._ready: deque[Any] = deque()
+        #: The last message received (delay queues: never), and the one the beat last recorded: see ``_fetched``.
+        self.last_received: Message[Any] | None = None
+        self.last_recorded: Message[Any] | None = None
         self.broker._consumers.add(self)
         if not is_delay_queue(self.queue_name):
             self.broker.register_consumer(self.queue_name)
@@ -645,8 +672,10 @@ class _Consumer(_RabbitmqConsumer):
         message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, decoded)  # type: ignore[no-untyped-call]
         self.known_tags.add(method.delivery_tag)
         message._consumer = self
-        if not is_delay_queue(self.queue_name) and message.actor_name not in self.broker.actors:
-            # Delayed messages are only parked in the consumer; they are checked when they come due.
+        if is_delay_queue(self.queue_name):
+            return message  # parked in the consumer until due, and checked then
+        self.last_received = decoded  # what the beat records: one assignment, no work per message
+        if message.actor_name not in self.broker.actors:
             self.broker.hold_or_skip_unknown(self, message)
             return None
         return message

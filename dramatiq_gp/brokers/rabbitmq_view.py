@@ -138,6 +138,25 @@ class RabbitmqQueueView(QueueView):
             queues.append(row)
         return queues
 
+    def ready_since(self, names: Sequence[str]) -> dict[str, int]:
+        """An estimate: when the last message a worker received from each queue became ready, as the worker
+        processes record it every beat (``<ns>:gp:fetched``), one Redis command for all.
+
+        AMQP cannot look at a queue's head without taking the message, and giving it back
+        counts as a delivery on a quorum queue (which drops a message delivered too
+        often), so nothing here looks. The message at the head came after the last one
+        received, so when the queue has messages ready this time is no later than its
+        head's: the age from it is an upper bound, close while messages arrive and are
+        taken steadily (too old by at most the gap between two sends plus a beat,
+        :data:`~dramatiq_gp.brokers.rabbitmq.BEAT_EVERY_S`), and growing while no worker
+        takes any. A queue no worker has received from yet is left out.
+        """
+        names = list(names)
+        if not names:
+            return {}
+        recorded = self.client.hmget(keys.fetched(self.namespace), names)
+        return {name: int(text(at)) for name, at in zip(names, recorded, strict=True) if text(at).isdigit()}
+
     def dead_count(self, queue: str) -> int:
         with self._connected() as connection:
             declared = _declared(connection, xq_name(queue))

@@ -20,7 +20,7 @@ import redis
 from .. import keys
 from ..lua import scripts
 from ..records import garbled, moment, raw_name, unreadable
-from .view import DeadLetter, QueueView, letter
+from .view import DeadLetter, QueueView, letter, ready_at
 
 _SCRIPTS = scripts(__file__)
 
@@ -80,6 +80,28 @@ class RedisQueueView(QueueView):
                 {"name": name, "ready": ready, "in_flight": max(stored - ready, 0), "delayed": delayed, "dead": dead}
             )
         return queues
+
+    def ready_since(self, names: Sequence[str]) -> dict[str, int]:
+        """Exact: the message at the head of each queue's list, the next one fetched (``fetch.lua`` pops the
+        left end, sends push on the right), for all the queues in two round trips (``LINDEX``, then ``HGET``)."""
+        ns = self.namespace
+        names = [name for name in names if not garbled(name)]
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.lindex(keys.queue(ns, name), 0)
+            heads = pipe.execute()
+        waiting = [(name, head) for name, head in zip(names, heads, strict=True) if head is not None]
+        with self.client.pipeline(transaction=False) as pipe:
+            for name, head in waiting:
+                pipe.hget(keys.messages(ns, name), head)
+            stored = pipe.execute()
+        since = {}
+        for (name, _), raw in zip(waiting, stored, strict=True):
+            # None: fetched between the two round trips; the next scrape reads the new head.
+            at = _ready_at(raw) if raw is not None else None
+            if at is not None:
+                since[name] = at
+        return since
 
     def dead_count(self, queue: str) -> int:
         return int(self.client.zcard(keys.dead(self.namespace, queue)))
@@ -166,6 +188,15 @@ class RedisQueueView(QueueView):
             pipe.unlink(keys.dead(self.namespace, queue), keys.dead_messages(self.namespace, queue))
             dead, _ = pipe.execute()
         return int(dead)
+
+
+def _ready_at(raw: bytes | str) -> int | None:
+    """When a stored message became ready; None for bytes that are not a message (its consumer sets them aside)."""
+    try:
+        message = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return ready_at(message.get("message_timestamp"), message.get("options")) if isinstance(message, dict) else None
 
 
 def _id(member: bytes | str) -> str:

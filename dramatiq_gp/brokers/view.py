@@ -96,6 +96,17 @@ class QueueView(ABC):
         ``dead``; on RabbitMQ also ``consumers`` and ``unknown`` (why its counts cannot be known now)."""
 
     @abstractmethod
+    def ready_since(self, names: Sequence[str]) -> dict[str, int]:
+        """Per queue of ``names``, when (ms since the epoch) its oldest ready message became ready: the later of
+        when it was sent and when it was due (``eta``), so a delayed or retried message counts from its due time.
+
+        A queue left out has none ready, or its kind cannot tell yet. On Redis it is
+        exact; on RabbitMQ an estimate (see :meth:`RabbitmqQueueView.ready_since
+        <dramatiq_gp.brokers.rabbitmq_view.RabbitmqQueueView.ready_since>`), to be
+        read with :meth:`counts`' ``ready``.
+        """
+
+    @abstractmethod
     def dead_count(self, queue: str) -> int:
         """How many dead letters ``queue`` has."""
 
@@ -143,6 +154,19 @@ def letter(queue: str, id: str, dead_at_ms: int | str, raw: bytes | str, pii: bo
         message.get("args") if pii else FILTERED,
         message.get("kwargs") if pii else FILTERED,
     )
+
+
+def ready_at(timestamp: Any, options: Any) -> int | None:
+    """When a message became ready (ms): the later of its ``message_timestamp`` and its ``eta``, if it has one;
+    None when its timestamp is no number (no producer of ours wrote it)."""
+    if not _number(timestamp):
+        return None
+    eta = options.get("eta") if isinstance(options, dict) else None
+    return int(max(timestamp, eta)) if _number(eta) else int(timestamp)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # NaN is no time
 
 
 def _exception_line(traceback: str) -> str:

@@ -21,12 +21,10 @@ from ..brokers.view import DeadLetter, QueueView
 from ..records import json_object, moment, text, unreadable
 from ..scheduler.status import scheduler_status
 from ..settings import Settings
-from ..status import outbox_status
+from ..status import LIVE_MS, outbox_status
 
 #: Minutes of throughput the overview shows.
 MINUTES = 15
-#: A worker whose last heartbeat is older than this is not shown (Dramatiq's default heartbeat timeout).
-LIVE_MS = 60_000
 #: Dead letters and failures per page.
 PAGE = 50
 
@@ -123,7 +121,8 @@ class Reader:
         return {"minutes": [m * 60_000 for m in minutes], "total": total, "per_queue": per_queue, "peak": peak}
 
     def workers(self, now_ms: int) -> list[dict[str, Any]]:
-        """The worker processes with a heartbeat in the last :data:`LIVE_MS`, with what they recorded."""
+        """The worker processes with a heartbeat in the last :data:`~dramatiq_gp.status.LIVE_MS`, with what they
+        recorded."""
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zrangebyscore(keys.heartbeats(self.namespace), now_ms - LIVE_MS, "+inf", withscores=True)
             pipe.hgetall(keys.workers(self.namespace))
