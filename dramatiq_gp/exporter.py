@@ -144,7 +144,8 @@ class Exporter:
             self._leaderless_since = time.monotonic()
         since = self._leaderless_since
         _gauge(into, "dramatiq_gp_scheduler_leader_present", (), int(since is None))
-        _gauge(into, "dramatiq_gp_scheduler_leaderless_seconds", (), 0 if since is None else time.monotonic() - since)
+        leaderless = 0 if since is None else round(time.monotonic() - since, 3)
+        _gauge(into, "dramatiq_gp_scheduler_leaderless_seconds", (), leaderless)
         for entry in scheduler["entries"]:
             labels = (("entry", entry["name"]),)
             _gauge(into, "dramatiq_gp_schedule_paused", labels, int(entry["paused"] is not None))
