@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeGuard
 
 import redis
 import sqlalchemy as sa
@@ -143,9 +143,12 @@ class Exporter:
         elif self._leaderless_since is None:
             self._leaderless_since = time.monotonic()
         since = self._leaderless_since
-        _gauge(into, "dramatiq_gp_scheduler_leader_present", (), int(since is None))
-        leaderless = 0 if since is None else round(time.monotonic() - since, 3)
-        _gauge(into, "dramatiq_gp_scheduler_leaderless_seconds", (), leaderless)
+        # A deployment without a schedule elects no leader (an empty schedule starts no election): no
+        # leader is no fault there, and a series saying "leaderless" would only page someone.
+        if scheduler["entries"]:
+            _gauge(into, "dramatiq_gp_scheduler_leader_present", (), int(since is None))
+            leaderless = 0 if since is None else round(time.monotonic() - since, 3)
+            _gauge(into, "dramatiq_gp_scheduler_leaderless_seconds", (), leaderless)
         for entry in scheduler["entries"]:
             labels = (("entry", entry["name"]),)
             _gauge(into, "dramatiq_gp_schedule_paused", labels, int(entry["paused"] is not None))
@@ -157,20 +160,24 @@ class Exporter:
     def _workers(self, into: Samples, now_ms: int) -> None:
         """Each worker process with a heartbeat in the last :data:`~dramatiq_gp.status.LIVE_MS` (as the dashboard
         lists them) and a health record, written every ``WORKER_HEALTH_INTERVAL``: a record older than
-        :data:`HEALTH_STALE_INTERVALS` of them is a process that stopped judging itself, 0 for both."""
+        :data:`HEALTH_STALE_INTERVALS` of them is a process that stopped judging itself, 0 for both. A process
+        that stopped cleanly took its record away, and is not listed."""
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zrangebyscore(keys.heartbeats(self.namespace), now_ms - LIVE_MS, "+inf")
             pipe.hgetall(keys.health(self.namespace))
             live, records = pipe.execute()
-        stale_ms = HEALTH_STALE_INTERVALS * self.settings.worker.health_interval.total_seconds() * 1000
+        interval_ms = self.settings.worker.health_interval.total_seconds() * 1000
         for broker_id in live:
             raw = records.get(broker_id)
             if raw is None:
                 continue  # a process of a version that does not record its health
             record = json_object(raw)
             health = record if isinstance(record, dict) else {}  # unreadable: neither alive nor ready
-            at = health.get("at_ms")
-            fresh = isinstance(at, int | float) and not isinstance(at, bool) and now_ms - at <= stale_ms
+            at, every = health.get("at_ms"), health.get("interval_ms")
+            # By the interval the worker reports at (its WORKER_HEALTH_INTERVAL may not be this exporter's).
+            if not _number(every):
+                every = interval_ms
+            fresh = _number(at) and now_ms - at <= HEALTH_STALE_INTERVALS * every
             worker = (("host", str(health.get("host"))), ("pid", str(health.get("pid"))), ("worker", text(broker_id)))
             _gauge(into, "dramatiq_gp_worker_alive", worker, int(fresh and health.get("alive") is True))
             _gauge(into, "dramatiq_gp_worker_ready", worker, int(fresh and health.get("ready") is True))
@@ -214,6 +221,10 @@ class Exporter:
 
 def _gauge(into: Samples, name: str, labels: Labels, value: float) -> None:
     into.setdefault(name, {})[tuple(sorted(labels))] = value
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _timestamp(fired: Any) -> float | None:

@@ -290,10 +290,12 @@ def test_the_scheduler_leader_the_time_without_one_and_each_entry(clean_env, nam
 def test_each_live_worker_process_s_health_and_a_stale_record_counts_as_down(clean_env, namespace, rdb):
     now = current_millis()
 
-    def health(alive: bool, ready: bool, at_ms: int, pid: int) -> str:
-        return json.dumps({"alive": alive, "ready": ready, "failing": [], "at_ms": at_ms, "host": "h1", "pid": pid})
+    def health(alive: bool, ready: bool, at_ms: int, pid: int, **interval: int) -> str:
+        record = {"alive": alive, "ready": ready, "failing": [], "at_ms": at_ms, "host": "h1", "pid": pid}
+        return json.dumps({**record, **interval})
 
-    rdb.zadd(keys.heartbeats(namespace), {"w-ready": now, "w-draining": now, "w-stale": now, "w-silent": now})
+    live = {"w-ready": now, "w-draining": now, "w-stale": now, "w-silent": now, "w-slow": now}
+    rdb.zadd(keys.heartbeats(namespace), live)
     rdb.zadd(keys.heartbeats(namespace), {"w-gone": now - 120_000})  # no heartbeat for two minutes: not listed
     rdb.hset(
         keys.health(namespace),
@@ -301,6 +303,8 @@ def test_each_live_worker_process_s_health_and_a_stale_record_counts_as_down(cle
             "w-ready": health(True, True, now, 1),
             "w-draining": health(True, False, now, 2),
             "w-stale": health(True, True, now - 10_000, 3),  # three intervals (3 s) without a new judgement
+            # Judged every 5 s by its own WORKER_HEALTH_INTERVAL: 10 s is two of its intervals, still fresh.
+            "w-slow": health(True, True, now - 10_000, 5, interval_ms=5_000),
             "w-gone": health(True, True, now, 4),
             "w-garbled": "not json",
         },
@@ -320,9 +324,10 @@ def test_each_live_worker_process_s_health_and_a_stale_record_counts_as_down(cle
     assert state("w-ready", "1") == (1, 1)
     assert state("w-draining", "2") == (1, 0)
     assert state("w-stale", "3") == (0, 0)
+    assert state("w-slow", "5") == (1, 1)
     assert state("w-garbled", "None", "None") == (0, 0)
     # No heartbeat (gone), or no health record (silent: a version that writes none): no series.
-    assert len(scraped["dramatiq_gp_worker_alive"]) == len(scraped["dramatiq_gp_worker_ready"]) == 4
+    assert len(scraped["dramatiq_gp_worker_alive"]) == len(scraped["dramatiq_gp_worker_ready"]) == 5
 
 
 def test_a_source_out_of_reach_is_0_and_left_out_while_the_rest_serve(clean_env, namespace, engine, database_url):
@@ -345,7 +350,8 @@ def test_a_rabbitmq_out_of_reach_is_0_while_redis_serves(broker, clean_env, name
     assert value(scraped, "dramatiq_gp_exporter_source_up", source="rabbitmq") == 0
     assert value(scraped, "dramatiq_gp_exporter_source_up", source="redis") == 1
     assert "dramatiq_gp_queue_messages" not in scraped
-    assert value(scraped, "dramatiq_gp_scheduler_leader_present") == 0
+    # No schedule published: no election, and no leader series to say "leaderless".
+    assert "dramatiq_gp_scheduler_leader_present" not in scraped
 
 
 def test_only_metrics_is_served(clean_env, namespace):
