@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, TypeGuard
+from typing import Any
 
 import redis
 import sqlalchemy as sa
@@ -32,8 +32,9 @@ import sqlalchemy as sa
 from . import keys
 from .brokers.kinds import view_for
 from .endpoint import Response
+from .health import recorded
 from .prometheus import exposition
-from .records import json_object, text
+from .records import text
 from .scheduler.status import scheduler_status
 from .settings import Settings
 from .status import LIVE_MS, outbox_status
@@ -69,8 +70,6 @@ METRICS: dict[str, tuple[str, str]] = {
 
 #: A queue's states, as ``state`` labels, in :meth:`~dramatiq_gp.brokers.view.QueueView.counts`' keys.
 STATES = ("ready", "delayed", "in_flight", "dead")
-#: A worker's health record older than this many of its intervals (``WORKER_HEALTH_INTERVAL``) counts as 0.
-HEALTH_STALE_INTERVALS = 3
 
 Labels = tuple[tuple[str, str], ...]
 #: Metric name → label pairs → value.
@@ -159,9 +158,8 @@ class Exporter:
 
     def _workers(self, into: Samples, now_ms: int) -> None:
         """Each worker process with a heartbeat in the last :data:`~dramatiq_gp.status.LIVE_MS` (as the dashboard
-        lists them) and a health record, written every ``WORKER_HEALTH_INTERVAL``: a record older than
-        :data:`HEALTH_STALE_INTERVALS` of them is a process that stopped judging itself, 0 for both. A process
-        that stopped cleanly took its record away, and is not listed."""
+        lists them) and a health record, judged by :func:`~dramatiq_gp.health.recorded` (a stale one is 0 for
+        both). A process that stopped cleanly took its record away, and is not listed."""
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zrangebyscore(keys.heartbeats(self.namespace), now_ms - LIVE_MS, "+inf")
             pipe.hgetall(keys.health(self.namespace))
@@ -171,16 +169,10 @@ class Exporter:
             raw = records.get(broker_id)
             if raw is None:
                 continue  # a process of a version that does not record its health
-            record = json_object(raw)
-            health = record if isinstance(record, dict) else {}  # unreadable: neither alive nor ready
-            at, every = health.get("at_ms"), health.get("interval_ms")
-            # By the interval the worker reports at (its WORKER_HEALTH_INTERVAL may not be this exporter's).
-            if not _number(every):
-                every = interval_ms
-            fresh = _number(at) and now_ms - at <= HEALTH_STALE_INTERVALS * every
-            worker = (("host", str(health.get("host"))), ("pid", str(health.get("pid"))), ("worker", text(broker_id)))
-            _gauge(into, "dramatiq_gp_worker_alive", worker, int(fresh and health.get("alive") is True))
-            _gauge(into, "dramatiq_gp_worker_ready", worker, int(fresh and health.get("ready") is True))
+            health = recorded(raw, now_ms, interval_ms)
+            worker = (("host", str(health.host)), ("pid", str(health.pid)), ("worker", text(broker_id)))
+            _gauge(into, "dramatiq_gp_worker_alive", worker, int(health.alive))
+            _gauge(into, "dramatiq_gp_worker_ready", worker, int(health.ready))
 
     def _queues(self, into: Samples, now_ms: int) -> None:
         """Each queue's counts by state, and the age of its oldest ready message.
@@ -221,10 +213,6 @@ class Exporter:
 
 def _gauge(into: Samples, name: str, labels: Labels, value: float) -> None:
     into.setdefault(name, {})[tuple(sorted(labels))] = value
-
-
-def _number(value: Any) -> TypeGuard[float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _timestamp(fired: Any) -> float | None:

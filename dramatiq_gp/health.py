@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import redis
 
@@ -119,6 +119,41 @@ def read(directory: Path, now_ms: int | None = None) -> Verdict:
         elif not report.ready:
             unready.append(f"pid {report.pid}: {'; '.join(report.failing)}")
     return Verdict(not dead, not dead and not unready, reports, dead + unready)
+
+
+@dataclass
+class Recorded:
+    """A worker process's health as another process reads it from Redis (the exporter, the dashboard)."""
+
+    alive: bool
+    ready: bool
+    failing: list[str]
+    host: str | None
+    pid: int | None
+
+
+def recorded(raw: bytes | str, now_ms: int, interval_ms: float) -> Recorded:
+    """The record ``raw`` of ``<ns>:gp:health``, judged now: one older than :data:`STALE_INTERVALS` of the
+    interval its process reports at (``interval_ms`` if it does not say) is a process that stopped judging
+    itself, neither alive nor ready; one that cannot be read is neither either."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        return Recorded(False, False, ["unreadable health record"], None, None)
+    at, every = record.get("at_ms"), record.get("interval_ms")
+    every = every if _number(every) else interval_ms
+    host, pid = record.get("host"), record.get("pid")
+    failing = record.get("failing")
+    failing = [str(reason) for reason in failing] if isinstance(failing, list) else []
+    if not _number(at) or now_ms - at > STALE_INTERVALS * every:
+        return Recorded(False, False, ["no report for a while"], host, pid)
+    return Recorded(record.get("alive") is True, record.get("ready") is True, failing, host, pid)
+
+
+def _number(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def routes(directory: Path) -> dict[str, Callable[[], Response]]:

@@ -131,6 +131,7 @@ def test_the_overview_shows_the_queues_workers_throughput_and_failures_without_s
     kit.broker.join("default")
     kit.broker.join("mail")
     kit.broker.flush_settles()
+    wait_for(lambda: rdb.hexists(keys.health(namespace), kit.broker.broker_id))  # its first health check
 
     with serving(create_app()) as base:
         before = _commandstats(rdb)
@@ -145,6 +146,7 @@ def test_the_overview_shows_the_queues_workers_throughput_and_failures_without_s
     assert cells[:3] == ["0", "0", "0"] and ">1</a>" in cells[3] and cells[4].startswith("3"), cells
     assert 'data-queue="mail"' in page.body
     assert f'<td class="n">{os.getpid()}</td>' in page.body  # this process, from its heartbeat
+    assert '<td class="health">ready</td>' in page.body
     assert "default:3, mail:1" in page.body
 
     throughput = gp.dashboard.reader.Reader(gp.Settings.from_env(), kit.broker.client).throughput(
@@ -392,6 +394,7 @@ def test_on_rabbitmq_the_overview_reads_the_queues_from_it_and_the_workers_and_t
         )
         page = browser.open("/")
     assert f'<td class="n">{os.getpid()}</td>' in page.body  # this process, from its heartbeat
+    assert '<td class="health">ready</td>' in page.body
     assert "default:2" in page.body
 
 
@@ -840,3 +843,27 @@ def test_a_recorded_queue_name_not_utf8_is_marked_one_with_a_slash_not_linked_an
     assert mark in html.unescape(overview.body) and mark in html.unescape(dead.body)
     assert '/dead-letters/default">default</a></td><td class="n">1</td>' in dead.body
     assert '<td>a/b</td><td class="n">1</td>' in dead.body
+
+
+def test_each_worker_shows_its_health_a_stale_or_unreadable_record_as_not_alive(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    now = dramatiq.common.current_millis()
+    record = {"alive": True, "ready": False, "failing": ["redis: Connection refused"], "interval_ms": 5000}
+    workers = {
+        "w-unready": {**record, "at_ms": now},
+        "w-stale": {**record, "ready": True, "failing": [], "at_ms": now - 60_000},
+        "w-garbled": "not json",
+        "w-old-version": None,
+    }
+    for pid, (broker_id, health) in enumerate(workers.items(), start=1):
+        rdb.zadd(keys.heartbeats(namespace), {broker_id: now})
+        rdb.hset(keys.workers(namespace), broker_id, json.dumps({"host": broker_id, "pid": pid, "queues": []}))
+        if health is not None:
+            rdb.hset(keys.health(namespace), broker_id, health if isinstance(health, str) else json.dumps(health))
+    with serving(create_app()) as base:
+        page = Browser(base).open("/")
+    rows = dict(re.findall(r"<tr><td>(w-[a-z-]+)</td>.*?<td class=\"health\">(.*?)</td></tr>", page.body, re.S))
+    assert html.unescape(re.sub("<[^>]+>", "", rows["w-unready"])) == "not ready: redis: Connection refused"
+    assert re.sub("<[^>]+>", "", rows["w-stale"]) == "not alive: no report for a while"
+    assert re.sub("<[^>]+>", "", rows["w-garbled"]) == "not alive: unreadable health record"
+    assert rows["w-old-version"] == "—"

@@ -18,6 +18,7 @@ import redis
 from .. import keys
 from ..brokers.kinds import view_for
 from ..brokers.view import DeadLetter, QueueView
+from ..health import recorded
 from ..records import json_object, moment, text, unreadable
 from ..scheduler.status import scheduler_status
 from ..settings import Settings
@@ -122,12 +123,20 @@ class Reader:
 
     def workers(self, now_ms: int) -> list[dict[str, Any]]:
         """The worker processes with a heartbeat in the last :data:`~dramatiq_gp.status.LIVE_MS`, with what they
-        recorded."""
+        recorded and their health (:func:`~dramatiq_gp.health.recorded`)."""
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zrangebyscore(keys.heartbeats(self.namespace), now_ms - LIVE_MS, "+inf", withscores=True)
             pipe.hgetall(keys.workers(self.namespace))
-            beats, records = pipe.execute()
-        workers = [_worker(broker_id, int(beat), records.get(broker_id)) for broker_id, beat in beats]
+            pipe.hgetall(keys.health(self.namespace))
+            beats, records, healths = pipe.execute()
+        interval_ms = self.settings.worker.health_interval.total_seconds() * 1000
+        workers = []
+        for broker_id, beat in beats:
+            worker = _worker(broker_id, int(beat), records.get(broker_id))
+            health = healths.get(broker_id)
+            # None: a process of a version that records no health
+            worker["health"] = recorded(health, now_ms, interval_ms) if health is not None else None
+            workers.append(worker)
         return sorted(workers, key=lambda w: (str(w["host"]), w["pid"] if isinstance(w["pid"], int) else 0))
 
     def overview(self, now_ms: int) -> dict[str, Any]:
