@@ -11,12 +11,33 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def forget_the_dead(directory: Path) -> None:
+    """Remove the files ``<pid>.json`` of processes that are gone: a group's earlier run left them."""
+    for path in directory.glob("*.json"):
+        if path.stem.isdigit() and not alive(int(path.stem)):
+            path.unlink(missing_ok=True)
+
 
 #: A route's answer: the status code, the content type and the body.
 Response = tuple[int, str, bytes]

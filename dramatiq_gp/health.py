@@ -41,7 +41,7 @@ from typing import Any, TypeGuard
 import redis
 
 from . import keys
-from .endpoint import Endpoint, Response
+from .endpoint import Endpoint, Response, alive, forget_the_dead
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def read(directory: Path, now_ms: int | None = None) -> Verdict:
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     reports = []
     for path in sorted(directory.glob("*.json")):
-        if not path.stem.isdigit() or not _alive(int(path.stem)):
+        if not path.stem.isdigit() or not alive(int(path.stem)):
             continue  # its process is gone (the dramatiq parent ends the group when a child dies)
         try:
             reports.append(Report(**json.loads(path.read_text())))
@@ -170,16 +170,6 @@ def routes(directory: Path) -> dict[str, Callable[[], Response]]:
     return {"/livez": answer("alive"), "/readyz": answer("ready")}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Monitor:
     """Judges this worker process's health every ``interval_s`` and reports it (file, Redis, endpoint).
 
@@ -223,9 +213,7 @@ class Monitor:
     def booting(self) -> None:
         """Report alive and not yet ready, so a liveness probe passes while the process boots."""
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for stale in self.directory.glob("*.json"):
-            if stale.stem.isdigit() and not _alive(int(stale.stem)):
-                stale.unlink(missing_ok=True)
+        forget_the_dead(self.directory)
         self._write(self._report())
         if self._endpoint is not None:
             self._endpoint.start()

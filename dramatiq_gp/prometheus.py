@@ -37,7 +37,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
-from .endpoint import Endpoint, Response
+from .endpoint import Endpoint, Response, alive, forget_the_dead
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +50,6 @@ def snapshot_dir(namespace: str, port: int) -> Path:
     path = Path(configured) if configured else Path(tempfile.gettempdir()) / f"dramatiq-gp-metrics-{namespace}-{port}"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def prometheus_name(name: str, unit: str, kind: str) -> str:
@@ -79,9 +69,7 @@ class SnapshotReader(MetricReader):
         self.path = directory / f"{os.getpid()}.json"
         self._interval = interval_ms / 1000
         self._stop = threading.Event()
-        for stale in directory.glob("*.json"):
-            if stale.stem.isdigit() and not _alive(int(stale.stem)):
-                stale.unlink(missing_ok=True)
+        forget_the_dead(directory)
         self._thread = threading.Thread(target=self._run, name="metrics-snapshot", daemon=True)
         self._thread.start()
 
@@ -154,7 +142,7 @@ def render(directory: Path) -> str:
         except (OSError, ValueError):
             continue  # being replaced right now, or gone
         pid = int(snapshot["pid"])
-        live = _alive(pid)
+        live = alive(pid)
         for sample in snapshot["samples"]:
             kind = sample["kind"]
             labels = dict(sample["labels"])

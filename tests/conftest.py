@@ -23,15 +23,19 @@ import pika
 import pytest
 import redis
 import sqlalchemy as sa
+from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import dq_name, xq_name
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from telemetry_worker import Worker  # noqa: E402
+
 import dramatiq_gp as gp  # noqa: E402
+from collector import Collector, start_collector  # noqa: E402
 from devtools.services import services  # noqa: E402
 from dramatiq_gp import keys  # noqa: E402
-from helpers import RABBITMQ_URL, own_database, rabbitmq_unreachable  # noqa: E402
+from helpers import KIT_PREFIXES, RABBITMQ_URL, close_broker, own_database, rabbitmq_unreachable, wait_for  # noqa: E402
 
 # The browser tests' fixtures (``browser``, ``page``), in a module of their own.
 pytest_plugins = ["browser"]
@@ -100,21 +104,7 @@ def namespace(rdb: redis.Redis) -> Iterator[str]:
 def clean_env(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> pytest.MonkeyPatch:
     """An environment with no kit variables but REDIS_URL."""
     for name in list(os.environ):
-        if name.startswith(
-            (
-                "WORKER_",
-                "VALKEY_",
-                "LOG_",
-                "SCHEDULER_",
-                "OUTBOX_",
-                "DB_",
-                "OTEL_",
-                "SENTRY_",
-                "BROKER_",
-                "RABBITMQ_",
-                "DASHBOARD_",
-            )
-        ):
+        if name.startswith(KIT_PREFIXES):
             monkeypatch.delenv(name)
     monkeypatch.setenv("REDIS_URL", redis_url)
     return monkeypatch
@@ -199,3 +189,48 @@ def start_worker() -> Iterator[Callable[..., dramatiq.Worker]]:
             return worker
 
         yield start
+
+
+# -- real telemetry_app workers and a stand-in collector (tests/telemetry_worker.py) ---------------------
+
+
+@pytest.fixture
+def collector() -> Iterator[Collector]:
+    collector, server = start_collector()
+    yield collector
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def worker_env(clean_env: pytest.MonkeyPatch, redis_url: str, namespace: str) -> dict[str, str]:
+    return {
+        "REDIS_URL": redis_url,
+        "VALKEY_NAMESPACE": namespace,
+        "WORKER_MIN_BACKOFF": "10ms",
+        "WORKER_MAX_BACKOFF": "50ms",
+    }
+
+
+@pytest.fixture
+def run_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
+    workers: list[Worker] = []
+
+    def run(env: dict[str, str], *args: str, processes: int = 1) -> Worker:
+        worker = Worker(tmp_path, {**worker_env, **env}, *args, processes=processes)
+        workers.append(worker)
+        wait_for(lambda: "consumers started" in worker.log or worker.process.poll() is not None, timeout=30)
+        assert worker.process.poll() is None, worker.log
+        return worker
+
+    yield run
+    for worker in workers:
+        worker.kill()
+
+
+@pytest.fixture
+def producer(redis_url: str, namespace: str) -> Iterator[RedisBroker]:
+    """A plain Dramatiq broker on the worker's namespace, to send the app's actors messages."""
+    broker = RedisBroker(url=redis_url, namespace=namespace)
+    yield broker
+    close_broker(broker)

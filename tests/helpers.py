@@ -24,6 +24,23 @@ from dramatiq_gp import keys
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
 
+#: The prefixes of every variable the kit reads: a test's environment starts without them.
+KIT_PREFIXES = (
+    "WORKER_",
+    "VALKEY_",
+    "REDIS_",
+    "LOG_",
+    "SCHEDULER_",
+    "OUTBOX_",
+    "DB_",
+    "OTEL_",
+    "SENTRY_",
+    "BROKER_",
+    "RABBITMQ_",
+    "DASHBOARD_",
+)
+
+
 def close_broker(broker: Any) -> None:
     """Close ``broker`` and its Redis connections: Dramatiq's own ``RedisBroker.close()`` leaves them open (and
     so does its client's ``close()``, the pool not being the client's own), and a connection left to the garbage

@@ -28,6 +28,7 @@ import dramatiq_gp as gp
 from dramatiq_gp.durations import parse_duration
 from dramatiq_gp.prometheus import prometheus_name
 from dramatiq_gp.settings import WorkerSettings
+from helpers import KIT_PREFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -42,21 +43,6 @@ SHUTDOWN_MARGIN = timedelta(seconds=10)
 
 #: The oldest Kubernetes the manifests are checked against, beside the newest the validator knows.
 OLDEST_KUBERNETES = "1.30.0"
-
-KIT_PREFIXES = (
-    "WORKER_",
-    "VALKEY_",
-    "REDIS_",
-    "LOG_",
-    "SCHEDULER_",
-    "OUTBOX_",
-    "DB_",
-    "OTEL_",
-    "SENTRY_",
-    "BROKER_",
-    "RABBITMQ_",
-    "DASHBOARD_",
-)
 
 
 # -- the Kubernetes manifests ------------------------------------------------------------------

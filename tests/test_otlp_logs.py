@@ -8,58 +8,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
-from dramatiq.brokers.redis import RedisBroker
-from test_telemetry_cli import Worker, _free_port, send
+from telemetry_worker import free_port, send
 
 import dramatiq_gp as gp
 from apps.app_events import SignedUp
-from collector import Collector, start_collector
-from helpers import close_broker, wait_for
+from helpers import wait_for
 
 #: No batch leaves before shutdown unless the flush sends it.
 NEVER_MS = "600000"
-
-
-@pytest.fixture
-def collector() -> Iterator[Collector]:
-    collector, server = start_collector()
-    yield collector
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture
-def run_worker(tmp_path: Path, clean_env: pytest.MonkeyPatch, redis_url: str, namespace: str) -> Iterator[Any]:
-    workers: list[Worker] = []
-
-    def run(env: dict[str, str]) -> Worker:
-        base = {
-            "REDIS_URL": redis_url,
-            "VALKEY_NAMESPACE": namespace,
-            "WORKER_MIN_BACKOFF": "10ms",
-            "WORKER_MAX_BACKOFF": "50ms",
-        }
-        worker = Worker(tmp_path, {**base, **env})
-        workers.append(worker)
-        wait_for(lambda: "consumers started" in worker.log or worker.process.poll() is not None, timeout=30)
-        assert worker.process.poll() is None, worker.log
-        return worker
-
-    yield run
-    for worker in workers:
-        worker.kill()
-
-
-@pytest.fixture
-def producer(redis_url: str, namespace: str) -> Iterator[RedisBroker]:
-    broker = RedisBroker(url=redis_url, namespace=namespace)
-    yield broker
-    close_broker(broker)
 
 
 def test_task_records_carry_the_trace_and_span_of_the_task_and_reach_the_collector_by_shutdown(
@@ -143,7 +101,7 @@ def test_with_logs_off_no_log_request_arrives(run_worker, collector, producer):
 
 
 def test_an_unreachable_collector_neither_stalls_the_work_nor_hears_of_records_after_its_shutdown(run_worker, producer):
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     worker = run_worker(
         {
             "LOG_EXPORTER": "otlp",
@@ -173,7 +131,7 @@ def test_the_sdks_own_lines_stay_out_of_the_otlp_logs(run_worker, collector, pro
             "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": f"{collector.endpoint}/v1/logs",
             "OTEL_BLRP_SCHEDULE_DELAY": "50",
             "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{_free_port()}",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{free_port()}",
             "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1",
             "OTEL_BSP_SCHEDULE_DELAY": "50",
         }

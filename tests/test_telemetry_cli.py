@@ -7,7 +7,6 @@ these run the real CLI.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -16,102 +15,18 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from dramatiq import Message
-from dramatiq.brokers.redis import RedisBroker
 from opentelemetry.sdk.trace import TracerProvider
+from telemetry_worker import ROOT, Worker, free_port, send
 
 import dramatiq_gp as gp
 from apps.app_events import OrderPlaced, SignedUp
-from collector import Collector, start_collector
 from dramatiq_gp.middleware.lifecycle import DUPLICATE_SIGNAL_S
-from helpers import close_broker, wait_for
+from helpers import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
 PRODUCER, CONSUMER = 4, 5  # OTLP span kinds
-
-
-class Worker:
-    """``dramatiq tests.apps.telemetry_app`` with its output in a file."""
-
-    def __init__(self, tmp_path: Path, env: dict[str, str], *args: str, processes: int = 1) -> None:
-        self.log_file = tmp_path / f"worker-{time.monotonic_ns()}.log"
-        command = [sys.executable, "-m", "dramatiq", "tests.apps.telemetry_app", "-p", str(processes), "-t", "4", *args]
-        with open(self.log_file, "w") as log:
-            # A session of its own, so a failed test kills the worker processes too, not only their parent.
-            self.process = subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env={**os.environ, **env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    @property
-    def log(self) -> str:
-        return self.log_file.read_text()
-
-    def stop(self, timeout: float = 30) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-
-@pytest.fixture
-def collector() -> Iterator[Collector]:
-    collector, server = start_collector()
-    yield collector
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture
-def worker_env(clean_env: pytest.MonkeyPatch, redis_url: str, namespace: str) -> dict[str, str]:
-    return {
-        "REDIS_URL": redis_url,
-        "VALKEY_NAMESPACE": namespace,
-        "WORKER_MIN_BACKOFF": "10ms",
-        "WORKER_MAX_BACKOFF": "50ms",
-    }
-
-
-@pytest.fixture
-def run_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
-    workers: list[Worker] = []
-
-    def run(env: dict[str, str], *args: str, processes: int = 1) -> Worker:
-        worker = Worker(tmp_path, {**worker_env, **env}, *args, processes=processes)
-        workers.append(worker)
-        wait_for(lambda: "consumers started" in worker.log or worker.process.poll() is not None, timeout=30)
-        assert worker.process.poll() is None, worker.log
-        return worker
-
-    yield run
-    for worker in workers:
-        worker.kill()
-
-
-@pytest.fixture
-def producer(redis_url: str, namespace: str) -> Iterator[RedisBroker]:
-    """A plain Dramatiq broker on the worker's namespace, to send the app's actors messages."""
-    broker = RedisBroker(url=redis_url, namespace=namespace)
-    yield broker
-    close_broker(broker)
-
-
-def send(broker: RedisBroker, actor: str, *args: Any, queue: str = "default") -> str:
-    message = Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options={})
-    return str(broker.enqueue(message).message_id)
 
 
 def test_an_outbox_dispatch_is_one_trace_through_the_relay_to_both_listeners_and_json_logs_carry_it(
@@ -349,14 +264,8 @@ stream.close()  # as pytest closes its capture streams before the exit hooks run
     assert "Traceback" not in run.stderr and "Logging error" not in run.stderr, run.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_the_prometheus_endpoint_adds_up_every_worker_process(run_worker, producer, tmp_path, engine, database_url):
-    port = _free_port()
+    port = free_port()
     worker = run_worker(
         {
             "OTEL_METRICS_EXPORTER": "prometheus",
@@ -418,7 +327,7 @@ def _value(text: str, prefix: str) -> float:
 
 
 def test_telemetry_that_cannot_be_reached_neither_stops_nor_stalls_the_work(run_worker, producer):
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     worker = run_worker(
         {
             "OTEL_EXPORTER_OTLP_ENDPOINT": closed,
