@@ -52,6 +52,8 @@ HealthCheck = Callable[[], object]
 WEDGED_AFTER_S = 10.0
 #: A report this many intervals old means its process stopped reporting (frozen, or its health thread died).
 STALE_INTERVALS = 3
+#: How long a stop waits for a health check still running (one that hangs is left behind).
+STOP_WAIT_S = 1.0
 #: How much of a failing check's error a report keeps.
 ERROR_CHARS = 200
 
@@ -242,6 +244,10 @@ class Monitor:
     def stop(self) -> None:
         """The process is about to exit: stop reporting and take its report away."""
         self._stop.set()
+        # The last round ends first: a record written after the HDEL below would outlive the process, and a
+        # database check still holding a connection when the closers dispose of the engine leaks it.
+        for thread in self._threads:
+            thread.join(STOP_WAIT_S)
         if self._endpoint is not None:
             self._endpoint.close()
         self.path.unlink(missing_ok=True)
