@@ -77,7 +77,12 @@ class Report:
     interval_ms: int
 
     def stale(self, now_ms: int) -> bool:
-        return now_ms - self.at_ms > STALE_INTERVALS * self.interval_ms
+        return _stale(self.at_ms, self.interval_ms, now_ms)
+
+
+def _stale(at_ms: float, interval_ms: float, now_ms: int) -> bool:
+    """Whether a report made at ``at_ms`` by a process reporting every ``interval_ms`` says it stopped reporting."""
+    return now_ms - at_ms > STALE_INTERVALS * interval_ms
 
 
 @dataclass
@@ -149,7 +154,7 @@ def recorded(raw: bytes | str, now_ms: int, interval_ms: float) -> Recorded:
     host, pid = record.get("host"), record.get("pid")
     failing = record.get("failing")
     failing = [str(reason) for reason in failing] if isinstance(failing, list) else []
-    if not _number(at) or now_ms - at > STALE_INTERVALS * every:
+    if not _number(at) or _stale(at, every, now_ms):
         return Recorded(False, False, ["no report for a while"], host, pid)
     return Recorded(record.get("alive") is True, record.get("ready") is True, failing, host, pid)
 
