@@ -47,7 +47,7 @@ from .middleware import (
 )
 from .names import fan_out_id
 from .registry import Envelope, Registry, current_envelope, listener
-from .scheduler import CronError, Schedule, ScheduleError, job
+from .scheduler import CronError, Schedule, ScheduleError, Schedules, StoredEntry, job
 from .settings import Settings
 from .telemetry import Telemetry
 
@@ -84,7 +84,9 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SchedulerLease",
+    "Schedules",
     "Settings",
+    "StoredEntry",
     "TaskLog",
     "Telemetry",
     "Tracing",

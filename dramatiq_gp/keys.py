@@ -232,6 +232,16 @@ class SchedulerKeys:
         """Entry name → who paused it and when, as JSON: its ticks are passed over, not fired (a hash)."""
         return f"{self.prefix}:paused"
 
+    @property
+    def dynamic(self) -> str:
+        """Entry name → a schedule entry stored at run time, as JSON (a hash; :mod:`dramatiq_gp.scheduler.dynamic`)."""
+        return f"{self.prefix}:dynamic"
+
+    @property
+    def due(self) -> str:
+        """Stored entry name → the ms of its next tick not yet fired (a sorted set): what the leader reads."""
+        return f"{self.prefix}:due"
+
     def tick(self, entry: str, tick_ms: int) -> str:
         """The claim of one tick of one entry."""
         return f"{self.prefix}:tick:{entry}:{tick_ms}"

@@ -24,6 +24,7 @@ Dramatiq's boot hooks, never at import.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 from uuid import uuid4
@@ -40,7 +41,7 @@ from .errors import BrokerUnreachable, GPError, one_line_at_start_up
 from .middleware import Lifecycle, OutboxRelay, SchedulerLease, default_middleware
 from .middleware.lifecycle import Closer
 from .registry import Registry, default_registry
-from .scheduler import Runner, Schedule, default_schedule
+from .scheduler import Runner, Schedule, Schedules, default_schedule
 from .settings import Settings
 from .telemetry import Telemetry
 
@@ -121,13 +122,25 @@ class Kit:
         self.schedule.check_options(self.broker.actor_options)
         if register is not None:
             register(self.registry, self.schedule)
-        #: The schedule runner of this process (``None`` for an empty schedule, which starts no election).
+        #: The schedule runner of this process (``None`` for an empty schedule without ``SCHEDULER_DYNAMIC``,
+        #: which starts no election).
         self.scheduler: Runner | None = _find(stack, SchedulerLease).bind(self.broker)
         relay = next((m for m in stack if isinstance(m, OutboxRelay)), None)
         #: The outbox relay of this process, if it has a database and ``OUTBOX_RELAY`` is on.
         self.relay: Relay | None = relay.bind(self.broker) if relay is not None else None
         self.registry.announce(len(self.schedule))
         _current = self
+
+    @functools.cached_property
+    def schedules(self) -> Schedules:
+        """The schedule entries stored at run time (:class:`~dramatiq_gp.Schedules`), checked against this broker."""
+        return Schedules(
+            self.broker.client,
+            self.settings.scheduler.namespace or self.broker.namespace,
+            timezone=self.settings.scheduler.timezone,
+            schedule=self.schedule,
+            broker=self.broker,
+        )
 
     def with_closer(self, name: str, close: Closer) -> Kit:
         """Run ``close()`` at shutdown, after in-flight tasks drained (last added, first run)."""

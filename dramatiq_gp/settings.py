@@ -601,6 +601,9 @@ class SchedulerSettings(BaseSettings):
     claim_replicas: int | None = Field(default=None, ge=0)
     #: How long a claim waits for them; past it, the tick is kept and sent once they have it.
     claim_timeout: Duration = Field(default=timedelta(seconds=1), ge=timedelta(milliseconds=10))
+    #: Take part in the election with an empty code schedule, to fire the entries stored at
+    #: run time (``kit.schedules``); a worker with code entries fires those in any case.
+    dynamic: bool = False
 
     @model_validator(mode="after")
     def _lease_bounds(self) -> SchedulerSettings:

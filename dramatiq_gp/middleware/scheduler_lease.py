@@ -20,7 +20,8 @@ class SchedulerLease(Producer):
 
     See :mod:`dramatiq_gp.scheduler.lease` and :mod:`dramatiq_gp.scheduler.runner`:
     one holder at a time, fenced by epochs, every tick claimed and enqueued in one
-    Lua call. An empty schedule starts no election at all.
+    Lua call. An empty schedule starts no election at all, unless ``SCHEDULER_DYNAMIC``
+    asks this worker to fire the entries stored at run time (:mod:`dramatiq_gp.scheduler.dynamic`).
 
     Hooks: ``before_worker_boot`` (refuses a broker not of the kit's: on
     :class:`dramatiq_gp.RedisBroker` the firing writes to the queues in its Lua
@@ -56,8 +57,9 @@ class SchedulerLease(Producer):
         self.runner: Runner | None = None
 
     def bind(self, broker: KitBroker) -> Runner | None:
-        """The runner firing ``schedule`` into ``broker`` (built once); ``None`` for an empty schedule."""
-        if self.runner is None and self.schedule:
+        """The runner firing ``schedule`` into ``broker`` (built once); ``None`` for an empty schedule
+        without ``SCHEDULER_DYNAMIC``."""
+        if self.runner is None and (self.schedule or self.settings.dynamic):
             self.schedule.use_timezone(self.settings.timezone)
             self.schedule.check_options(broker.actor_options)
             self.runner = Runner(
@@ -72,7 +74,7 @@ class SchedulerLease(Producer):
 
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        if self.schedule:
+        if self.schedule or self.settings.dynamic:
             self.bind(kit_broker(broker, self))
 
     def after_worker_boot(self, broker: Broker, worker: Worker) -> None:

@@ -2,6 +2,7 @@
 
 * :mod:`.cron`: standard cron, descriptors, ``@every`` and the DST policy;
 * :mod:`.schedule`: the fluent :class:`Schedule`, its entries, and the module-level ``@job``;
+* :mod:`.dynamic`: the entries the application stores at run time, and their due-time index;
 * :mod:`.lease`: the leader lease on Redis;
 * :mod:`.runner`: firing ticks exactly once, and catching up after a takeover;
 * :mod:`.outlet`: where a fired tick goes, one outlet per kind of broker;
@@ -10,8 +11,20 @@
 """
 
 from .cron import CronError
+from .dynamic import Schedules, StoredEntry
 from .lease import Lease
 from .runner import Runner
 from .schedule import Entry, Schedule, ScheduleError, default_schedule, job
 
-__all__ = ["CronError", "Entry", "Lease", "Runner", "Schedule", "ScheduleError", "default_schedule", "job"]
+__all__ = [
+    "CronError",
+    "Entry",
+    "Lease",
+    "Runner",
+    "Schedule",
+    "ScheduleError",
+    "Schedules",
+    "StoredEntry",
+    "default_schedule",
+    "job",
+]

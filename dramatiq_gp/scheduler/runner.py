@@ -62,7 +62,7 @@ import logging
 import threading
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import redis
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -76,15 +76,18 @@ from .. import keys
 from ..aio import is_async, require_event_loop
 from ..brokers.base import KitBroker
 from ..exactly_once import Running, run_handler, run_handler_async
+from ..lua import scripts
 from ..metrics import instruments, observe
 from ..names import tick_message_id
 from ..records import text
 from ..registry import Registry, idempotent_option, send_all
 from ..settings import SchedulerSettings
+from . import dynamic
+from .dynamic import decode_raw
 from .executor import TickExecutor
 from .lease import Lease
 from .outlet import Tick, TickNotDurable, outlet_for
-from .schedule import Entry, Schedule
+from .schedule import Entry, Schedule, ScheduleError
 from .status import scheduler_status
 from .triggers import SpecTrigger, first_at_or_after, following, just_after, upcoming
 
@@ -99,6 +102,14 @@ TICK_KEY_MARGIN_MS = 60_000
 MAX_SLEEP_S = 0.25
 #: How many next fire times of an APScheduler trigger are published for ``dramatiq-gp status``.
 UPCOMING = 5
+#: How many due stored entries the leader reads per round trip.
+STORED_BATCH = 500
+
+_STORED_SCRIPTS = scripts(dynamic.__file__)
+
+
+class _LeaseLost(Exception):
+    """A firing found this process no longer leads: stop firing stored entries."""
 
 
 def _ms(instant: datetime) -> int:
@@ -160,6 +171,12 @@ class Runner:
         #: The entries' last fired ticks must be read again before firing (Redis or the broker was out of reach).
         self._stale = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Set while this process leads and has caught up: the timer runs, and stored entries fire.
+        self._firing = threading.Event()
+        self._stored_thread: threading.Thread | None = None
+        self._advance = broker.client.register_script(_STORED_SCRIPTS["advance"])
+        #: Stored entries already reported as unreadable or shadowed by a code entry (once each).
+        self._reported: set[str] = set()
         self._timer = BackgroundScheduler(
             timezone=UTC,
             executors={TickExecutor.ALIAS: TickExecutor()},
@@ -187,9 +204,10 @@ class Runner:
         self._stop.clear()
         # Published for ``dramatiq-gp status``, which reads Redis, not the application.
         client = self.broker.client
-        client.hset(
-            self.keys.entries, mapping={entry.name: f"{entry.text}|{entry.zone.key}" for entry in self.schedule}
-        )
+        if self.schedule:
+            client.hset(
+                self.keys.entries, mapping={entry.name: f"{entry.text}|{entry.zone.key}" for entry in self.schedule}
+            )
         policy = self.settings
         client.set(
             self.keys.catchup,
@@ -216,13 +234,16 @@ class Runner:
         self.lease.start()
         self._thread = threading.Thread(target=self._run, name="gp-scheduler-leadership", daemon=True)
         self._thread.start()
+        self._stored_thread = threading.Thread(target=self._run_stored, name="gp-scheduler-stored", daemon=True)
+        self._stored_thread.start()
 
     def stop(self) -> None:
         """Stop firing and release the lease at once."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        for thread in (self._thread, self._stored_thread):
+            if thread is not None:
+                thread.join(5)
         if self._timer.running:
             self._timer.shutdown(wait=False)
         self.lease.stop()
@@ -273,14 +294,14 @@ class Runner:
         while not self._stop.is_set():
             self._wake.clear()
             if not self.lease.is_held():
-                self._timer.pause()
+                self._pause()
                 leading = None
                 self._wake.wait(MAX_SLEEP_S)
                 continue
             if leading == self.lease.value and not self._stale.is_set():
                 self._wake.wait(MAX_SLEEP_S)
                 continue
-            self._timer.pause()
+            self._pause()
             self._stale.clear()
             try:
                 caught_up = self._take_over()
@@ -291,7 +312,15 @@ class Runner:
                 continue
             if caught_up and self.lease.is_held():
                 leading = self.lease.value
-                self._timer.resume()
+                self._resume()
+
+    def _pause(self) -> None:
+        self._firing.clear()
+        self._timer.pause()
+
+    def _resume(self) -> None:
+        self._timer.resume()
+        self._firing.set()
 
     def _take_over(self) -> bool:
         """Pick up where the last leader stopped: publish claimed ticks left unpublished, fire missed
@@ -303,8 +332,6 @@ class Runner:
         last = {text(k): int(v) for k, v in self.broker.client.hgetall(self.covered_key).items()}
         for name, started in self.broker.client.hgetall(self.keys.started).items():
             last.setdefault(text(name), int(started))
-        policy, grace = self.settings.catchup, self.settings.catchup_grace
-        on_time_from = now - self.settings.misfire_threshold
         for entry in self.schedule:
             if entry.name not in last:
                 # A new entry starts now; recording that keeps the next leader from treating the
@@ -313,34 +340,46 @@ class Runner:
                 self._timer.modify_job(entry.name, next_run_time=first_at_or_after(entry.trigger, just_after(now)))
                 continue
             since = datetime.fromtimestamp(last[entry.name] / 1000, UTC)
-            # Late by less than the misfire threshold (a hand-over, a crash's takeover) is on time:
-            # those ticks all fire. The policy decides only of the older ones, the misfires.
-            misfired, on_time, skipped = [], [], 0
-            tick = first_at_or_after(entry.trigger, max(just_after(since), now - grace))
-            while tick is not None and tick <= now:
-                if tick >= on_time_from:
-                    on_time.append(tick)
-                else:
-                    misfired.append(tick)
-                    if len(misfired) > self.settings.catchup_max:
-                        misfired.pop(0)
-                        skipped += 1
-                tick = following(entry.trigger, tick)
-            chosen = {"none": [], "latest": misfired[-1:], "all": misfired}[policy]
-            skipped += len(misfired) - len(chosen)
-            if skipped:
-                self.logger.warning(
-                    "schedule runner: %s: %d missed tick(s) not fired (SCHEDULER_CATCHUP=%s: more than "
-                    "SCHEDULER_MISFIRE_THRESHOLD late)",
-                    entry.name,
-                    skipped,
-                    policy,
-                )
+            chosen, on_time, tick = self._due_ticks(entry, just_after(since), now)
             for missed_tick in [*chosen, *on_time]:
                 if not self._fire(entry, missed_tick, catching_up=True):
                     return False
             self._timer.modify_job(entry.name, next_run_time=tick)
         return True
+
+    def _due_ticks(
+        self, entry: Entry, start: datetime, now: datetime
+    ) -> tuple[list[datetime], list[datetime], datetime | None]:
+        """The ticks of ``entry`` from ``start`` to ``now`` to fire: the misfires the catch-up policy
+        keeps, then those on time; and its first tick after ``now`` (``None`` if it fires no more)."""
+        policy, grace = self.settings.catchup, self.settings.catchup_grace
+        on_time_from = now - self.settings.misfire_threshold
+        # Late by less than the misfire threshold (a hand-over, a crash's takeover) is on time:
+        # those ticks all fire. The policy decides only of the older ones, the misfires.
+        misfired: list[datetime] = []
+        on_time: list[datetime] = []
+        skipped = 0
+        tick = first_at_or_after(entry.trigger, max(start, now - grace))
+        while tick is not None and tick <= now:
+            if tick >= on_time_from:
+                on_time.append(tick)
+            else:
+                misfired.append(tick)
+                if len(misfired) > self.settings.catchup_max:
+                    misfired.pop(0)
+                    skipped += 1
+            tick = following(entry.trigger, tick)
+        chosen = {"none": [], "latest": misfired[-1:], "all": misfired}[policy]
+        skipped += len(misfired) - len(chosen)
+        if skipped:
+            self.logger.warning(
+                "schedule runner: %s: %d missed tick(s) not fired (SCHEDULER_CATCHUP=%s: more than "
+                "SCHEDULER_MISFIRE_THRESHOLD late)",
+                entry.name,
+                skipped,
+                policy,
+            )
+        return chosen, on_time, tick
 
     # -- firing ----------------------------------------------------------------------
 
@@ -349,16 +388,91 @@ class Runner:
         for tick in run_times:
             try:
                 if not self._fire(entry, tick):
-                    self._timer.pause()
+                    self._pause()
                     return
             except _UNREACHABLE as exc:
                 _warn_retrying(self.logger, exc)
                 # The timer moves on; the takeover's catch-up, from the last fired ticks, does not.
-                self._timer.pause()
+                self._pause()
                 self._stale.set()
                 self._wake.set()
                 return
         self._publish_upcoming(entry, run_times[-1])
+
+    # -- stored entries --------------------------------------------------------------
+
+    def _run_stored(self) -> None:
+        """Fire the stored entries that fall due, while this process leads and has caught up."""
+        while not self._stop.is_set():
+            if not self._firing.wait(MAX_SLEEP_S):
+                continue
+            try:
+                wait = self._fire_stored()
+            except _LeaseLost:
+                continue  # the lease is given up; the leadership thread pauses the firing
+            except _UNREACHABLE as exc:
+                _warn_retrying(self.logger, exc)
+                # As for a code entry: a takeover pass sends what was claimed, then firing resumes.
+                self._pause()
+                self._stale.set()
+                self._wake.set()
+                self._stop.wait(1)
+                continue
+            if wait:
+                self._stop.wait(wait)
+
+    def _fire_stored(self) -> float:
+        """Fire one batch of the due stored entries, and move each to its next tick; how long to wait
+        before looking again (0 when more are due).
+
+        Only the due part of the index and its head are read: the entries not due cost nothing.
+        """
+        client, now = self.broker.client, datetime.now(UTC)
+        now_ms = _ms(now)
+        due = cast(
+            list[tuple[bytes, float]],
+            client.zrangebyscore(self.keys.due, "-inf", now_ms, start=0, num=STORED_BATCH, withscores=True),
+        )
+        if not due:
+            head = cast(list[tuple[bytes, float]], client.zrange(self.keys.due, 0, 0, withscores=True))
+            return MAX_SLEEP_S if not head else min(MAX_SLEEP_S, max(0.001, (head[0][1] - now_ms) / 1000))
+        raws = cast(list[bytes | None], client.hmget(self.keys.dynamic, [name for name, _ in due]))
+        moves: list[Any] = []
+        try:
+            for (name, due_ms), raw in zip(due, raws, strict=True):
+                after = self._fire_stored_entry(text(name), raw, due_ms, now)
+                moves += [text(name), int(due_ms), "" if after is None else _ms(after)]
+        finally:
+            if moves:
+                self._advance(keys=[self.keys.due], args=moves)
+        return 0 if len(due) == STORED_BATCH else MAX_SLEEP_S / 10
+
+    def _fire_stored_entry(self, name: str, raw: bytes | None, due_ms: float, now: datetime) -> datetime | None:
+        """Fire a stored entry's ticks from ``due_ms`` to ``now``; its next tick (``None``: drop it from the index).
+
+        Raises:
+            _LeaseLost: this process stopped leading; the entry stays where it was in the index.
+        """
+        if raw is None:  # removed between the two reads
+            return None
+        if any(entry.name == name for entry in self.schedule):
+            self._report(name, "schedule runner: stored entry %s not fired: a code entry has its name", name)
+            return None
+        try:
+            entry = decode_raw(name, raw)
+        except ScheduleError as exc:
+            self._report(name, "schedule runner: stored entry not fired: %s", exc)
+            return None
+        chosen, on_time, after = self._due_ticks(entry, datetime.fromtimestamp(due_ms / 1000, UTC), now)
+        for tick in [*chosen, *on_time]:
+            if not self._fire(entry, tick, catching_up=tick in chosen):
+                raise _LeaseLost
+        return after
+
+    def _report(self, name: str, message: str, *args: Any) -> None:
+        if name not in self._reported:
+            self._reported.add(name)
+            self.logger.error(message, *args)
 
     def _publish_upcoming(self, entry: Entry, after: datetime) -> None:
         """Write where ``dramatiq-gp status`` reads an APScheduler trigger's next fires (it computes cron ones)."""
@@ -419,13 +533,19 @@ class Runner:
     def _message(self, entry: Entry, tick: datetime) -> Message[Any]:
         message_id = tick_message_id(entry.name, tick)
         firing: dict[str, Any] = {"entry": entry.name, "scheduled_at": tick.astimezone(entry.zone).isoformat()}
+        args: tuple[Any, ...] = (firing,)
         if entry.event is not None:
             firing.update(id=message_id, event=entry.event.name, data=entry.payload)
+        elif entry.event_name is not None:
+            # The envelope a dispatch's fan-out takes, with the firing's own id.
+            firing.update(id=message_id, event=entry.event_name, data=entry.payload)
+        elif entry.actor is not None:
+            args = entry.args
         return Message(
             queue_name=entry.queue,
             actor_name=entry.actor_name,
-            args=(firing,),
-            kwargs={},
+            args=args,
+            kwargs=dict(entry.kwargs or {}),
             options=dict(entry.options),
             message_id=message_id,
             message_timestamp=int(time.time() * 1000),

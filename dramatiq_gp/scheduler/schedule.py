@@ -29,7 +29,7 @@ from ..aio import is_async
 from ..durations import format_duration, parse_duration
 from ..errors import EventEncodeError, EventError, GPError, one_line_at_start_up
 from ..events import EventType, event_type
-from ..names import NAME, job_actor, schedule_actor
+from ..names import NAME, event_actor, job_actor, schedule_actor
 from ..settings import QUEUE_NAME
 from .cron import CronError, parse
 from .triggers import SpecTrigger, first_at_or_after, just_after
@@ -66,9 +66,20 @@ class Entry:
     inbox: Any = None
     #: Whether the entry gave its own zone (``tz=``) rather than the schedule's.
     fixed_zone: bool = False
+    #: Stored entries (:mod:`.dynamic`) that dispatch an event: its wire name (the payload in ``payload``);
+    #: each tick goes to the event's fan-out actor, as a dispatch from the outbox does.
+    event_name: str | None = None
+    #: Stored entries that send an actor of the application: its name, and its arguments.
+    actor: str | None = None
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] | None = None
 
     @property
     def actor_name(self) -> str:
+        if self.actor is not None:
+            return self.actor
+        if self.event_name is not None:
+            return event_actor(self.event_name)
         return job_actor(self.name) if self.handler is not None else schedule_actor(self.event.name)  # type: ignore[union-attr]
 
     @property

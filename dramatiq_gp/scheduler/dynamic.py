@@ -1,0 +1,362 @@
+"""Schedules the application creates at run time: stored in Redis, fired by the leader from a due-time index.
+
+A code entry exists because a module declared it; a **stored entry** exists because
+the application (``kit.schedules.add(...)``) or an operator (``dramatiq-gp schedule
+add``) wrote it: one digest per customer, each in the customer's zone. The leader
+fires both with the same claim (``outlet/claim.lua``): every tick once, fenced by the
+lease, paused and resumed by name, caught up under ``SCHEDULER_CATCHUP``.
+
+**Why Redis, not PostgreSQL.** The lease, the claims and the last fired ticks are in
+Redis already; an entry kept there is written, indexed and fenced in the same
+server, by one Lua call, and survives what those survive (a restart with
+persistence, a Sentinel failover). PostgreSQL is optional in the kit, and a
+scheduler that needs two servers to fire has two ways to stop.
+
+**Keys** (under ``<ns>:scheduler:``):
+
+* ``dynamic``: name → the entry as JSON (:func:`encode`);
+* ``due``: a sorted set, name → the ms of its next tick not yet fired. The leader
+  reads only what is due (``ZRANGEBYSCORE -inf now``) and the head, never the whole
+  set: 100,000 entries cost the leader nothing until they fire.
+
+A code entry keeps its name: storing an entry under a name a worker published
+(``<ns>:scheduler:entries``) or this process's schedule holds is refused.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import lru_cache
+from typing import Any, Literal, cast
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import redis
+from apscheduler.triggers.base import BaseTrigger
+from apscheduler.triggers.date import DateTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+from dramatiq import Actor
+
+from .. import keys
+from ..errors import EventEncodeError, EventError
+from ..events import event_type
+from ..lua import scripts
+from ..names import EVENT_QUEUE, NAME
+from ..records import text
+from ..settings import QUEUE_NAME
+from .cron import CronError, parse
+from .schedule import Entry, Schedule, ScheduleError
+from .triggers import SpecTrigger
+
+logger = logging.getLogger(__name__)
+
+_SCRIPTS = scripts(__file__)
+
+#: The largest JSON an entry may take, so one entry cannot fill the server.
+MAX_ENTRY_BYTES = 16_384
+
+Added = Literal["added", "replaced"]
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """A stored entry as :meth:`Schedules.get` and :meth:`Schedules.list` return it."""
+
+    name: str
+    #: The trigger as written: a cron spec, ``@every``, ``interval[...]`` or ``date[...]``.
+    trigger: str
+    zone: str
+    #: ``event`` (dispatched afresh at each tick) or ``actor`` (sent with its arguments).
+    kind: Literal["event", "actor"]
+    #: The event's wire name, or the actor's name.
+    target: str
+    #: The event's payload, or the actor's ``{"args": [...], "kwargs": {...}}``.
+    data: Any
+    queue: str
+    options: Mapping[str, Any]
+    #: The next tick not yet fired, in the entry's zone; ``None`` when it fires no more.
+    next_fire: datetime | None = None
+
+
+class Schedules:
+    """Add, change and remove schedule entries at run time; the scheduler's leader fires them.
+
+    Get it from the Kit (``kit.schedules``), which checks actors, queues and options
+    against the application's broker, or build it on a Redis client alone (the CLI
+    does), which checks only their shape.
+
+    Parameters:
+        client: the scheduler's Redis.
+        namespace: the scheduler's namespace (``SCHEDULER_NAMESPACE``, by default ``VALKEY_NAMESPACE``).
+        timezone: the zone of entries given no ``tz=`` (``SCHEDULER_TIMEZONE``).
+        schedule: the code schedule, whose names stored entries may not take.
+        broker: the application's broker, to check actors, queues and options against.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        namespace: str,
+        *,
+        timezone: str = "UTC",
+        schedule: Schedule | None = None,
+        broker: Any = None,
+    ) -> None:
+        self.client, self.keys = client, keys.SchedulerKeys(namespace)
+        self.zone = _zone(timezone, "SCHEDULER_TIMEZONE")
+        self._schedule, self._broker = schedule, broker
+        self._add = client.register_script(_SCRIPTS["add"])
+        self._remove = client.register_script(_SCRIPTS["remove"])
+
+    def add(
+        self,
+        name: str,
+        when: str | BaseTrigger,
+        target: object,
+        *,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        tz: str | None = None,
+        queue: str | None = None,
+        replace: bool = False,
+        **options: Any,
+    ) -> Added:
+        """Store the entry ``name``: ``target`` fires whenever ``when`` does, from the next tick on.
+
+        ``when`` is a cron spec (five fields, a descriptor, ``@every 90s``), an
+        APScheduler ``IntervalTrigger`` (its ``start_date`` is stored, so every leader
+        counts from the same instant) or ``DateTrigger``. ``target`` is an event
+        instance (dispatched afresh at each tick, fanned out to its listeners) or a
+        Dramatiq actor, or its name (sent with ``args`` and ``kwargs``). ``options``
+        are message options (``max_retries``, ``time_limit``...).
+
+        With ``replace=True`` an entry of that name is changed, and its ticks start
+        again from the next one of the new trigger; without, an existing name is refused.
+
+        Raises:
+            ScheduleError: one line naming the entry and what is wrong with it.
+        """
+        where = f"schedule entry {name!r}"
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ScheduleError(f"{where}: a name is letters, digits, '_', '.', '-'")
+        if self._schedule is not None and any(entry.name == name for entry in self._schedule):
+            raise ScheduleError(f"{where} is defined in code: a stored entry may not take its name")
+        zone = self.zone if tz is None else _zone(tz, where)
+        record = {"trigger": encode_trigger(when, zone, where), "zone": zone.key, "options": dict(options)}
+        record.update(self._target(where, target, args, kwargs, queue))
+        self._check_options(where, options)
+        entry = decode(name, record)  # what the leader will read back, checked before it is written
+        data = json.dumps(record, separators=(",", ":"))
+        if len(data) > MAX_ENTRY_BYTES:
+            raise ScheduleError(f"{where}: {len(data)} bytes as JSON, more than {MAX_ENTRY_BYTES}")
+        due = entry.next_after(datetime.now(UTC))
+        outcome = text(
+            self._add(
+                keys=[self.keys.dynamic, self.keys.due, self.keys.entries],
+                args=[name, data, "" if due is None else _ms(due), 1 if replace else 0],
+            )
+        )
+        if outcome == "code":
+            raise ScheduleError(f"{where} is a code entry a worker published: a stored entry may not take its name")
+        if outcome == "exists":
+            raise ScheduleError(f"{where} exists already: give replace=True to change it")
+        if not self.client.exists(self.keys.lease):
+            logger.warning(
+                "%s stored, but no scheduler leader runs in namespace %s: it fires once a worker with a schedule, "
+                "or with SCHEDULER_DYNAMIC=true, runs",
+                where,
+                self.keys.namespace,
+            )
+        return cast(Added, outcome)
+
+    def remove(self, name: str) -> bool:
+        """Remove the stored entry ``name``; its ticks stop at once. False if there is none."""
+        return bool(
+            self._remove(keys=[self.keys.dynamic, self.keys.due, self.keys.last_fired, self.keys.paused], args=[name])
+        )
+
+    def get(self, name: str) -> StoredEntry | None:
+        """The stored entry ``name``, if there is one."""
+        raw, due = self.client.hget(self.keys.dynamic, name), self.client.zscore(self.keys.due, name)
+        return None if raw is None else _stored(name, raw, due)
+
+    def list(self, prefix: str = "", *, limit: int = 100) -> builtins.list[StoredEntry]:
+        """Up to ``limit`` stored entries whose name starts with ``prefix``, by name."""
+        match = _glob_escaped(prefix) + "*"
+        names = sorted(text(n) for n, _ in self.client.hscan_iter(self.keys.dynamic, match=match, count=1000))
+        names = names[:limit]
+        if not names:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.keys.dynamic, names)
+            pipe.zmscore(self.keys.due, names)
+            raws, dues = pipe.execute()
+        return [_stored(n, raw, due) for n, raw, due in zip(names, raws, dues, strict=True) if raw is not None]
+
+    def next_due(self, count: int = 10) -> builtins.list[StoredEntry]:
+        """The ``count`` stored entries that fire next."""
+        heads = cast(builtins.list[tuple[Any, float]], self.client.zrange(self.keys.due, 0, count - 1, withscores=True))
+        if not heads:
+            return []
+        raws = self.client.hmget(self.keys.dynamic, [n for n, _ in heads])
+        return [_stored(text(n), raw, due) for (n, due), raw in zip(heads, raws, strict=True) if raw is not None]
+
+    def __len__(self) -> int:
+        return int(self.client.hlen(self.keys.dynamic))
+
+    def __iter__(self) -> Iterator[str]:
+        """The stored entries' names, in no order (a scan: it holds no lock on the server)."""
+        return (text(n) for n, _ in self.client.hscan_iter(self.keys.dynamic, count=1000))
+
+    def _target(
+        self, where: str, target: object, args: Sequence[Any], kwargs: Mapping[str, Any] | None, queue: str | None
+    ) -> dict[str, Any]:
+        if isinstance(target, Actor | str):
+            actor = target.actor_name if isinstance(target, Actor) else target
+            if self._broker is not None and actor not in self._broker.actors:
+                raise ScheduleError(f"{where}: no actor named {actor!r} is declared on the broker")
+            if queue is None:
+                queue = target.queue_name if isinstance(target, Actor) else self._actor_queue(actor)
+            return {"actor": actor, "args": list(args), "kwargs": dict(kwargs or {}), "queue": queue}
+        if args or kwargs:
+            raise ScheduleError(f"{where}: args= and kwargs= are for an actor; an event carries its payload")
+        if queue is not None:
+            raise ScheduleError(f"{where}: queue= is for an actor; an event's listeners choose their own queues")
+        try:
+            kind = event_type(target)
+            if isinstance(target, type):
+                raise ScheduleError(f"{where}: give an event instance, not the class")
+            payload = kind.encode(target)
+        except (EventError, EventEncodeError) as exc:
+            raise ScheduleError(
+                f"{where}: {exc} (the target is an event instance, an actor, or an actor's name)"
+            ) from None
+        return {"event": kind.name, "data": payload, "queue": EVENT_QUEUE}
+
+    def _actor_queue(self, actor: str) -> str:
+        if self._broker is not None:
+            return str(self._broker.get_actor(actor).queue_name)
+        return "default"
+
+    def _check_options(self, where: str, options: Mapping[str, Any]) -> None:
+        known = getattr(self._broker, "actor_options", None)
+        if known is not None and (unknown := set(options) - known):
+            raise ScheduleError(f"{where}: unknown option(s) {', '.join(sorted(unknown))}")
+
+
+def encode_trigger(when: object, zone: ZoneInfo, where: str) -> Any:
+    """``when`` as the JSON the entry keeps: a cron spec as written, or the fields of a storable trigger.
+
+    Raises:
+        ScheduleError: not a cron spec, an ``IntervalTrigger`` without jitter or a ``DateTrigger``.
+    """
+    if isinstance(when, str):
+        try:
+            return parse(when).text
+        except CronError as exc:
+            raise ScheduleError(f"{where}: {exc}") from None
+    if isinstance(when, IntervalTrigger):
+        if when.jitter:
+            raise ScheduleError(f"{where}: a stored IntervalTrigger takes no jitter (each leader would draw its own)")
+        end = when.end_date.isoformat() if when.end_date is not None else None
+        return {"interval_s": when.interval.total_seconds(), "start": when.start_date.isoformat(), "end": end}
+    if isinstance(when, DateTrigger):
+        return {"date": when.run_date.isoformat()}
+    raise ScheduleError(
+        f"{where}: {when!r} cannot be stored: give a cron spec, @every, an IntervalTrigger or a DateTrigger"
+    )
+
+
+def decode(name: str, record: Mapping[str, Any]) -> Entry:
+    """The entry a stored record describes, as the leader fires it.
+
+    Raises:
+        ScheduleError: the record cannot be read (written by hand, or by another version).
+    """
+    where = f"schedule entry {name!r}"
+    try:
+        zone = _zone(record["zone"], where)
+        trigger = _trigger(json.dumps(record["trigger"], sort_keys=True), zone.key)
+        queue, options = record["queue"], record.get("options") or {}
+        if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+            raise ScheduleError(f"{where}: {queue!r} is not a queue name")
+        if not isinstance(options, dict):
+            raise ScheduleError(f"{where}: its options are not a JSON object")
+        common: dict[str, Any] = {"name": name, "trigger": trigger, "zone": zone, "queue": queue, "options": options}
+        common["fixed_zone"] = True
+        if "event" in record:
+            return Entry(event_name=str(record["event"]), payload=record.get("data"), **common)
+        args, kwargs = record.get("args") or [], record.get("kwargs") or {}
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise ScheduleError(f"{where}: its args are not a JSON list, or its kwargs not an object")
+        return Entry(actor=str(record["actor"]), args=tuple(args), kwargs=kwargs, **common)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ScheduleError):
+            raise
+        raise ScheduleError(f"{where}: unreadable stored entry ({exc!r})") from None
+
+
+def decode_raw(name: str, raw: bytes | str) -> Entry:
+    """:func:`decode` of the JSON as Redis holds it."""
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        raise ScheduleError(f"schedule entry {name!r}: unreadable stored entry ({exc})") from None
+    if not isinstance(record, dict):
+        raise ScheduleError(f"schedule entry {name!r}: a stored entry is a JSON object")
+    return decode(name, record)
+
+
+@lru_cache(maxsize=4096)
+def _trigger(encoded: str, zone_name: str) -> BaseTrigger:
+    """The trigger of an encoded one, built once per spec and zone: 100,000 digests share a few hundred."""
+    zone, spec = ZoneInfo(zone_name), json.loads(encoded)
+    if isinstance(spec, str):
+        return SpecTrigger(parse(spec), zone)
+    if not isinstance(spec, dict):
+        raise ValueError(f"trigger {spec!r}")
+    if "date" in spec:
+        return DateTrigger(datetime.fromisoformat(spec["date"]))
+    end = spec.get("end")
+    return IntervalTrigger(
+        seconds=float(spec["interval_s"]),
+        start_date=datetime.fromisoformat(spec["start"]),
+        end_date=datetime.fromisoformat(end) if end else None,
+        timezone=zone,
+    )
+
+
+def _stored(name: str, raw: bytes | str, due: float | None) -> StoredEntry:
+    record = json.loads(raw)
+    entry = decode(name, record)
+    is_event = entry.event_name is not None
+    return StoredEntry(
+        name=name,
+        trigger=entry.text,
+        zone=entry.zone.key,
+        kind="event" if is_event else "actor",
+        target=entry.event_name or entry.actor or "",
+        data=record.get("data") if is_event else {"args": list(entry.args), "kwargs": dict(entry.kwargs or {})},
+        queue=entry.queue,
+        options=entry.options,
+        next_fire=None if due is None else datetime.fromtimestamp(due / 1000, entry.zone),
+    )
+
+
+def _zone(name: str, where: str) -> ZoneInfo:
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, TypeError):
+        raise ScheduleError(f"{where}: {name!r} is not an IANA time zone (e.g. UTC, Europe/Budapest)") from None
+
+
+def _ms(instant: datetime) -> int:
+    return round(instant.timestamp() * 1000)
+
+
+def _glob_escaped(prefix: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
