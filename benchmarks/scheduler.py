@@ -9,6 +9,8 @@ once; fire lateness is measured on the ticks away from any failover.
 
 ``--graceful``: the leader is stopped with SIGTERM instead, as a deploy does, under
 the default settings (a 15 s lease, ``SCHEDULER_CATCHUP=latest``): the hand-over.
+
+``--dynamic N``: N entries stored at run time instead (see :mod:`benchmarks.stored_schedules`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks import stored_schedules
 from devtools.scheduler_cluster import Cluster
 from devtools.services import redis_url
 
@@ -33,7 +36,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--failovers", type=int, default=10)
     parser.add_argument("--ttl", type=float, default=3.0)
     parser.add_argument("--graceful", action="store_true", help="SIGTERM the leader under the default settings")
+    parser.add_argument("--dynamic", type=int, metavar="N", help="N entries stored at run time instead of one job")
+    stored_schedules.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.dynamic:
+        if args.failovers == parser.get_default("failovers"):
+            args.failovers = args.minutes - 1
+        return stored_schedules.run(args)
     if args.graceful:
         args.ttl = 15.0
     signal_sent = signal.SIGTERM if args.graceful else signal.SIGKILL

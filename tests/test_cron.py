@@ -192,3 +192,28 @@ def test_bad_specs_name_the_culprit(spec, message):
         parse(spec)
     assert message in str(raised.value)
     assert repr(spec) in str(raised.value)
+
+
+def test_the_shortcut_for_a_fire_nearby_agrees_with_the_walk_around_every_offset_change():
+    """``Cron._next_nearby`` (no offset change before the next fire) answers as the full walk does, or not at all."""
+    import zoneinfo
+
+    rng = random.Random(2)
+    zones = sorted(zoneinfo.available_timezones() - {"Factory", "localtime"})[::12]
+    specs = [parse(s) for s in ("* * * * *", "*/7 1-3 * * *", "30 1 * * *", "0 2 * * *", "45 2 * * *", "0,30 * * * *")]
+    answered = 0
+    for key in zones:
+        zone = ZoneInfo(key)
+        hour, offset = datetime(2026, 1, 1, tzinfo=UTC), None
+        while hour.year < 2027:
+            hour += timedelta(hours=1)
+            if offset is not None and hour.astimezone(zone).utcoffset() != offset:
+                for _ in range(20):
+                    after = hour + timedelta(seconds=rng.randrange(-5 * 3600, 5 * 3600))
+                    for spec in specs:
+                        nearby = spec._next_nearby(after, zone)
+                        if nearby is not None:
+                            answered += 1
+                            assert nearby == spec._next_walked(after, zone), (spec.text, key, after)
+            offset = hour.astimezone(zone).utcoffset()
+    assert answered > 1000

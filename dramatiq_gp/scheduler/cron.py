@@ -81,6 +81,41 @@ class Cron:
     def next_after(self, after: datetime, zone: ZoneInfo) -> datetime:
         """The first fire strictly after ``after``, as an aware UTC datetime."""
         after = after.astimezone(UTC)
+        return self._next_nearby(after, zone) or self._next_walked(after, zone)
+
+    def _next_nearby(self, after: datetime, zone: ZoneInfo) -> datetime | None:
+        """The next fire when it is less than ``_SHIFT`` away and the zone's offset holds until it; else None.
+
+        With one offset throughout, wall time and instants run in step, so the first
+        matching wall time after ``after``'s is the answer: no look behind or around
+        the way :meth:`_next_walked` must for an offset change. That spares a leader
+        firing thousands of frequent entries the walk's hundreds of conversions each.
+        """
+        local = after.astimezone(zone)
+        offset, wall_after = local.utcoffset(), local.replace(tzinfo=None)
+        limit = wall_after + _SHIFT
+        day = wall_after.date()
+        while datetime.combine(day, time()) <= limit:
+            if self._matches(day):
+                for hour in self.hours:
+                    if datetime.combine(day, time(hour, 59)) <= wall_after:
+                        continue
+                    for minute in self.minutes:
+                        wall = datetime.combine(day, time(hour, minute))
+                        if wall <= wall_after:
+                            continue
+                        if wall > limit:
+                            return None
+                        first = wall.replace(tzinfo=zone, fold=0)
+                        # Unambiguous, and at the offset of ``after``: no change lies in between (two changes
+                        # less than _SHIFT apart that cancel out occur in no zone).
+                        if first.utcoffset() != offset or wall.replace(tzinfo=zone, fold=1).utcoffset() != offset:
+                            return None
+                        return first.astimezone(UTC)
+            day += timedelta(days=1)
+        return None
+
+    def _next_walked(self, after: datetime, zone: ZoneInfo) -> datetime:
         # Wall times are walked in order; an offset change moves an instant by at most
         # _SHIFT, so nothing earlier hides more than _SHIFT of wall time past the best so far.
         start = after.astimezone(zone).replace(tzinfo=None) - _SHIFT

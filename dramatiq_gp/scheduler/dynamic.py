@@ -111,6 +111,7 @@ class Schedules:
         self._schedule, self._broker = schedule, broker
         self._add = client.register_script(_SCRIPTS["add"])
         self._remove = client.register_script(_SCRIPTS["remove"])
+        self._warned = False
 
     def add(
         self,
@@ -164,7 +165,8 @@ class Schedules:
             raise ScheduleError(f"{where} is a code entry a worker published: a stored entry may not take its name")
         if outcome == "exists":
             raise ScheduleError(f"{where} exists already: give replace=True to change it")
-        if not self.client.exists(self.keys.lease):
+        if not self._warned and not self.client.exists(self.keys.lease):
+            self._warned = True  # once per process: a loop adding entries before the workers start says it once
             logger.warning(
                 "%s stored, but no scheduler leader runs in namespace %s: it fires once a worker with a schedule, "
                 "or with SCHEDULER_DYNAMIC=true, runs",

@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 import redis
@@ -141,6 +141,14 @@ class Outlet(ABC):
     def fire(self, tick: Tick) -> Outcome:
         """Claim ``tick`` and put its message into its queue: once, and never one without the other."""
 
+    def prepare(self, tick: Tick) -> Tick:
+        """``tick`` as :meth:`fire_prepared` takes it; called in the firing's span, so a send hook sees it."""
+        return tick
+
+    def fire_prepared(self, ticks: list[Tick]) -> list[Outcome]:
+        """:meth:`fire` each prepared tick, in order; an outlet that can claims them in one round trip."""
+        return [self.fire(tick) for tick in ticks]
+
     @abstractmethod
     def _send_held(self, field: str, data: bytes) -> None:
         """Send the message ``data`` of the claimed tick ``field`` found in ``unpublished``, and remove it there."""
@@ -223,19 +231,57 @@ class PushOutlet(Outlet):
         self._release_script = broker.client.register_script(_SCRIPTS["release"])
 
     def fire(self, tick: Tick) -> Outcome:
-        broker, redis_id = self.broker, str(uuid.uuid4())
-        message = tick.message.copy(options={"redis_message_id": redis_id})
-        broker.emit_before("enqueue", message, None)
-        ns, queue = broker.namespace, message.queue_name
+        return self.fire_prepared([self.prepare(tick)])[0]
+
+    def prepare(self, tick: Tick) -> Tick:
+        """The tick's message under a fresh ``redis_message_id``, announced (``before_enqueue``)."""
+        message = tick.message.copy(options={"redis_message_id": str(uuid.uuid4())})
+        self.broker.emit_before("enqueue", message, None)
+        return replace(tick, message=message)
+
+    def fire_prepared(self, ticks: list[Tick]) -> list[Outcome]:
+        """Without replicas to wait for, every claim (each pushing its message) goes in one pipeline:
+        a leader firing a thousand stored entries at 08:00 pays one round trip, not a thousand."""
+        if self.replicas:
+            return [self._fire_prepared(tick) for tick in ticks]
+        broker, ns = self.broker, self.broker.namespace
         try:
-            if self.replicas:
-                outcome = self._claim_durably(tick, message.encode())
-                if outcome == "fired" and not self._release(tick.field, message):
-                    outcome = "deduplicated"  # a recovering leader pushed it first
+            with broker.client.pipeline(transaction=False) as pipe:
+                for tick in ticks:
+                    message = tick.message
+                    self._claim_script(
+                        keys=self._claim_keys(
+                            tick, keys.messages(ns, message.queue_name), keys.queue(ns, message.queue_name)
+                        ),
+                        args=[
+                            tick.lease,
+                            self.tick_ttl_ms,
+                            tick.entry,
+                            tick.ms,
+                            message.options["redis_message_id"],
+                            message.encode(),
+                        ],
+                        client=pipe,
+                    )
+                outcomes = [cast(Outcome, text(result)) for result in pipe.execute()]
+        except BaseException as exc:
+            for tick in ticks:
+                broker.send_failed(tick.message, exc)
+            raise
+        for tick, outcome in zip(ticks, outcomes, strict=True):
+            if outcome == "fired":
+                broker.emit_after("enqueue", tick.message, None)
             else:
-                outcome = self._claim(
-                    tick, keys.messages(ns, queue), redis_id, message.encode(), queue=keys.queue(ns, queue)
-                )
+                broker.send_failed(tick.message, None)
+        return outcomes
+
+    def _fire_prepared(self, tick: Tick) -> Outcome:
+        """One prepared tick, claimed, then pushed once a replica holds the claim."""
+        broker, message = self.broker, tick.message
+        try:
+            outcome = self._claim_durably(tick, message.encode())
+            if outcome == "fired" and not self._release(tick.field, message):
+                outcome = "deduplicated"  # a recovering leader pushed it first
         except BaseException as exc:
             broker.send_failed(message, exc)
             raise

@@ -71,6 +71,7 @@ from dramatiq.errors import BrokerConnectionError
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
+from opentelemetry.trace import Status, StatusCode
 
 from .. import keys
 from ..aio import is_async, require_event_loop
@@ -106,10 +107,6 @@ UPCOMING = 5
 STORED_BATCH = 500
 
 _STORED_SCRIPTS = scripts(dynamic.__file__)
-
-
-class _LeaseLost(Exception):
-    """A firing found this process no longer leads: stop firing stored entries."""
 
 
 def _ms(instant: datetime) -> int:
@@ -175,6 +172,7 @@ class Runner:
         self._firing = threading.Event()
         self._stored_thread: threading.Thread | None = None
         self._advance = broker.client.register_script(_STORED_SCRIPTS["advance"])
+        self._code_names = {entry.name for entry in schedule}
         #: Stored entries already reported as unreadable or shadowed by a code entry (once each).
         self._reported: set[str] = set()
         self._timer = BackgroundScheduler(
@@ -408,8 +406,6 @@ class Runner:
                 continue
             try:
                 wait = self._fire_stored()
-            except _LeaseLost:
-                continue  # the lease is given up; the leadership thread pauses the firing
             except _UNREACHABLE as exc:
                 _warn_retrying(self.logger, exc)
                 # As for a code entry: a takeover pass sends what was claimed, then firing resumes.
@@ -437,37 +433,35 @@ class Runner:
             head = cast(list[tuple[bytes, float]], client.zrange(self.keys.due, 0, 0, withscores=True))
             return MAX_SLEEP_S if not head else min(MAX_SLEEP_S, max(0.001, (head[0][1] - now_ms) / 1000))
         raws = cast(list[bytes | None], client.hmget(self.keys.dynamic, [name for name, _ in due]))
+        firings: list[tuple[Entry, datetime, bool]] = []
         moves: list[Any] = []
-        try:
-            for (name, due_ms), raw in zip(due, raws, strict=True):
-                after = self._fire_stored_entry(text(name), raw, due_ms, now)
-                moves += [text(name), int(due_ms), "" if after is None else _ms(after)]
-        finally:
-            if moves:
-                self._advance(keys=[self.keys.due], args=moves)
+        for (raw_name, due_ms), raw in zip(due, raws, strict=True):
+            name, after = text(raw_name), None
+            entry = self._stored_entry(name, raw)
+            if entry is not None:
+                chosen, on_time, after = self._due_ticks(entry, datetime.fromtimestamp(due_ms / 1000, UTC), now)
+                firings += [(entry, tick, tick in chosen) for tick in [*chosen, *on_time]]
+            moves += [name, int(due_ms), "" if after is None else _ms(after)]
+        # Claimed in one round trip; moved on only once fired: a leader stopped in between leaves them due,
+        # and its successor's claims find them fired already.
+        if not self._fire_many(firings):
+            return MAX_SLEEP_S
+        self._advance(keys=[self.keys.due], args=moves)
         return 0 if len(due) == STORED_BATCH else MAX_SLEEP_S / 10
 
-    def _fire_stored_entry(self, name: str, raw: bytes | None, due_ms: float, now: datetime) -> datetime | None:
-        """Fire a stored entry's ticks from ``due_ms`` to ``now``; its next tick (``None``: drop it from the index).
-
-        Raises:
-            _LeaseLost: this process stopped leading; the entry stays where it was in the index.
-        """
+    def _stored_entry(self, name: str, raw: bytes | None) -> Entry | None:
+        """The stored entry to fire, or ``None`` to drop it from the index: removed meanwhile,
+        shadowed by a code entry, or unreadable (said once)."""
         if raw is None:  # removed between the two reads
             return None
-        if any(entry.name == name for entry in self.schedule):
+        if name in self._code_names:
             self._report(name, "schedule runner: stored entry %s not fired: a code entry has its name", name)
             return None
         try:
-            entry = decode_raw(name, raw)
+            return decode_raw(name, raw)
         except ScheduleError as exc:
             self._report(name, "schedule runner: stored entry not fired: %s", exc)
             return None
-        chosen, on_time, after = self._due_ticks(entry, datetime.fromtimestamp(due_ms / 1000, UTC), now)
-        for tick in [*chosen, *on_time]:
-            if not self._fire(entry, tick, catching_up=tick in chosen):
-                raise _LeaseLost
-        return after
 
     def _report(self, name: str, message: str, *args: Any) -> None:
         if name not in self._reported:
@@ -488,47 +482,79 @@ class Runner:
             TickNotDurable: claimed, but no replica acknowledged the claim in time; kept, to be
                 sent by the takeover pass the caller starts (see :mod:`~dramatiq_gp.scheduler.outlet`).
         """
+        return self._fire_many([(entry, tick, catching_up)])
+
+    def _fire_many(self, firings: list[tuple[Entry, datetime, bool]]) -> bool:
+        """Enqueue each ``(entry, tick, catching up)``, claimed in one round trip where the outlet can;
+        False when this process turns out not to lead (what was claimed before that is enqueued).
+
+        Raises:
+            TickNotDurable: as :meth:`_fire`, for any of them.
+        """
+        if not firings:
+            return True
         lease = self.lease.value
         if lease is None or not self.lease.is_held():
             return False
-        # Each firing starts a trace of its own, named after the entry.
-        with self.tracer.start_as_current_span(
-            f"schedule {entry.name}",
-            context=Context(),
-            attributes={
-                "dramatiq_gp.schedule.entry": entry.name,
-                "dramatiq_gp.schedule.tick": tick.isoformat(),
-                "dramatiq_gp.schedule.catch_up": catching_up,
-            },
-        ) as span:
-            outcome = self.outlet.fire(Tick(entry.name, _ms(tick), self._message(entry, tick), lease))
+        spans, ticks = [], []
+        for entry, tick, catching_up in firings:
+            # Each firing starts a trace of its own, named after the entry; its message is sent from it.
+            span = self.tracer.start_span(
+                f"schedule {entry.name}",
+                context=Context(),
+                attributes={
+                    "dramatiq_gp.schedule.entry": entry.name,
+                    "dramatiq_gp.schedule.tick": tick.isoformat(),
+                    "dramatiq_gp.schedule.catch_up": catching_up,
+                },
+            )
+            with trace.use_span(span, end_on_exit=False):
+                ticks.append(self.outlet.prepare(Tick(entry.name, _ms(tick), self._message(entry, tick), lease)))
+            spans.append(span)
+        try:
+            outcomes = self.outlet.fire_prepared(ticks)
+        except BaseException as exc:
+            for span in spans:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+                span.end()
+            raise
+        leading, not_durable = True, []
+        for (entry, tick, catching_up), span, outcome in zip(firings, spans, outcomes, strict=True):
             # The span says "lease lost", as it did before the script named its outcomes.
             span.set_attribute("dramatiq_gp.schedule.outcome", "lease lost" if outcome == "lease_lost" else outcome)
-        if outcome == "lease_lost":
-            self.logger.warning("schedule runner: %s not fired: this process no longer holds the lease", entry.name)
-            # Until the next renewal (up to a third of the TTL away) the timer would try again at once, in a loop.
-            self.lease.lose("a firing found it taken or gone")
-            return False
-        counted = "caught_up" if outcome == "fired" and catching_up else outcome
-        instruments().scheduler_ticks.add(1, {"entry": entry.name, "outcome": counted})
-        if outcome == "not_durable":
+            span.end()
+            if outcome == "lease_lost":
+                if leading:
+                    self.logger.warning(
+                        "schedule runner: %s not fired: this process no longer holds the lease", entry.name
+                    )
+                    # Until the next renewal (up to a third of the TTL away) the timer would try again at once.
+                    self.lease.lose("a firing found it taken or gone")
+                leading = False
+                continue
+            counted = "caught_up" if outcome == "fired" and catching_up else outcome
+            instruments().scheduler_ticks.add(1, {"entry": entry.name, "outcome": counted})
+            if outcome == "not_durable":
+                not_durable.append(f"{entry.name} tick {tick.isoformat()}")
+            elif outcome == "paused":
+                self.logger.debug("schedule runner: %s is paused: tick %s not fired", entry.name, tick.isoformat())
+            elif outcome == "fired":
+                lateness_ms = (datetime.now(UTC) - tick).total_seconds() * 1000
+                self.logger.info(
+                    "schedule runner: fired %s scheduled_at=%s lateness_ms=%.0f%s",
+                    entry.name,
+                    tick.astimezone(entry.zone).isoformat(),
+                    lateness_ms,
+                    " (catch-up)" if catching_up else "",
+                )
+        if not_durable:
             raise TickNotDurable(
-                f"{entry.name} tick {tick.isoformat()} claimed, but fewer than the {self.outlet.replicas} replica(s) "
+                f"{', '.join(not_durable)} claimed, but fewer than the {self.outlet.replicas} replica(s) "
                 f"of SCHEDULER_CLAIM_REPLICAS acknowledged the claim within SCHEDULER_CLAIM_TIMEOUT: kept, and sent "
                 "once they have it (0 fires without waiting, and a failover may then fire a tick twice)"
             )
-        if outcome == "paused":
-            self.logger.debug("schedule runner: %s is paused: tick %s not fired", entry.name, tick.isoformat())
-        if outcome == "fired":
-            lateness_ms = (datetime.now(UTC) - tick).total_seconds() * 1000
-            self.logger.info(
-                "schedule runner: fired %s scheduled_at=%s lateness_ms=%.0f%s",
-                entry.name,
-                tick.astimezone(entry.zone).isoformat(),
-                lateness_ms,
-                " (catch-up)" if catching_up else "",
-            )
-        return True
+        return leading
 
     def _message(self, entry: Entry, tick: datetime) -> Message[Any]:
         message_id = tick_message_id(entry.name, tick)
