@@ -1,7 +1,7 @@
 """What an operator can do to a running system, from ``dramatiq-gp`` or the dashboard.
 
 Requeue or purge dead letters, replay a set-aside outbox event, send a new listener
-the events committed before it was live, pause or resume a schedule entry. Each
+the events committed before it was live, pause or resume a schedule entry, store or remove one at run time. Each
 action is logged on ``dramatiq_gp.actions`` at INFO with who did it and where from
 (``root (cli)``, ``alice (dashboard, 10.0.0.7)``), so the log says who changed
 what, whichever way it was done.
@@ -22,6 +22,7 @@ from dramatiq import Message
 from . import keys
 from .brokers.base import KitBroker
 from .brokers.view import QueueView
+from .scheduler.dynamic import Schedules, StoredEntry
 
 #: Events sent per round trip by :func:`backfill_listener`.
 BACKFILL_BATCH = 500
@@ -132,12 +133,34 @@ def backfill_listener(
 
 
 def pause_entry(client: redis.Redis, scheduler: keys.SchedulerKeys, entry: str, *, who: str) -> bool:
-    """Pause schedule entry ``entry``: the leader passes over its ticks from the next; False if no such entry."""
-    if not client.hexists(scheduler.entries, entry):
+    """Pause schedule entry ``entry`` (in code or stored): the leader passes over its ticks from the next;
+    False if no such entry."""
+    if not client.hexists(scheduler.entries, entry) and not client.hexists(scheduler.dynamic, entry):
         return False
     paused = {"by": who, "at": datetime.now(UTC).isoformat(timespec="seconds")}
     client.hset(scheduler.paused, entry, json.dumps(paused))
     _done("schedule pause", who, f"entry {entry} paused")
+    return True
+
+
+def add_entry(schedules: Schedules, name: str, when: Any, target: Any, *, who: str, **options: Any) -> StoredEntry:
+    """Store the schedule entry ``name`` (see :meth:`Schedules.add <dramatiq_gp.Schedules.add>`); as stored.
+
+    Raises:
+        ScheduleError: the entry is refused; the message names it and why.
+    """
+    outcome = schedules.add(name, when, target, **options)
+    entry = schedules.get(name)
+    assert entry is not None
+    _done("schedule add", who, f"entry {name} {outcome}: {entry.trigger} ({entry.zone}), {entry.kind} {entry.target}")
+    return entry
+
+
+def remove_entry(schedules: Schedules, name: str, *, who: str) -> bool:
+    """Remove the stored schedule entry ``name``; False if there is none."""
+    if not schedules.remove(name):
+        return False
+    _done("schedule remove", who, f"entry {name} removed")
     return True
 
 

@@ -8,6 +8,7 @@ a password.
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import importlib
 import json
@@ -506,6 +507,12 @@ def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
             client = _redis(settings)
             scheduler = _scheduler_keys(settings)
             published = client.hget(scheduler.entries, entry_or_spec)
+            stored = _stored_trigger(client, scheduler, entry_or_spec) if published is None else None
+            if stored is not None:
+                trigger, zone = stored
+                for at in upcoming(trigger, datetime.now(UTC), count):
+                    click.echo(at.astimezone(zone).isoformat())
+                return
             if published is None:
                 where = scheduler.prefix
                 _fail(f"no schedule entry {entry_or_spec!r} published under {where!r}; give a cron spec instead")
@@ -526,6 +533,138 @@ def schedule_next(entry_or_spec: str, count: int, tz: str | None) -> None:
             raise click.ClickException(str(exc)) from None
     for at in upcoming(trigger, datetime.now(UTC), count):
         click.echo(at.astimezone(zone).isoformat())
+
+
+def _stored_trigger(client: redis.Redis, scheduler: keys.SchedulerKeys, name: str) -> tuple[Any, ZoneInfo] | None:
+    """The trigger and zone of the entry ``name`` stored at run time, if there is one."""
+    from .scheduler.dynamic import decode_raw
+    from .scheduler.schedule import ScheduleError
+
+    raw = client.hget(scheduler.dynamic, name)
+    if raw is None:
+        return None
+    try:
+        entry = decode_raw(name, raw)
+    except ScheduleError as exc:
+        _fail(str(exc))
+        raise
+    return entry.trigger, entry.zone
+
+
+def _schedules(settings: Settings) -> Any:
+    from .scheduler.dynamic import Schedules
+
+    return Schedules(_redis(settings), _scheduler_keys(settings).namespace, timezone=settings.scheduler.timezone)
+
+
+@schedule.command("add")
+@click.argument("name")
+@click.argument("spec")
+@click.option("--event", "event_name", help="the event each tick dispatches (its wire name)")
+@click.option("--data", default="{}", show_default=True, help="the event's payload, as JSON")
+@click.option("--actor", help="the actor each tick sends")
+@click.option("--args", "args_json", default="[]", show_default=True, help="the actor's arguments, as a JSON list")
+@click.option("--kwargs", "kwargs_json", default="{}", show_default=True, help="its keyword arguments, as JSON")
+@click.option("--queue", help="the actor's queue (default: default)")
+@click.option("--tz", help="IANA zone of the spec (default: SCHEDULER_TIMEZONE)")
+@click.option("--options", "options_json", default="{}", show_default=True, help="message options, as JSON")
+@click.option("--replace", is_flag=True, help="change the entry if it exists")
+def schedule_add(
+    name: str,
+    spec: str,
+    event_name: str | None,
+    data: str,
+    actor: str | None,
+    args_json: str,
+    kwargs_json: str,
+    queue: str | None,
+    tz: str | None,
+    options_json: str,
+    replace: bool,
+) -> None:
+    """Store a schedule entry the leader fires from its next tick (no code change, no restart).
+
+    SPEC is a cron spec, a descriptor or @every. Give --event (an event's wire name,
+    with --data) or --actor (with --args, --kwargs). The names of events and actors
+    are not checked here, where the application's code is not loaded: a worker
+    refuses what it does not know, as for any message.
+
+    \b
+    Examples:
+      dramatiq-gp schedule add digest.42 "0 8 * * *" --tz Europe/Budapest --event digest.due --data '{"customer": 42}'
+      dramatiq-gp schedule add cleanup.tmp "@every 10m" --actor cleanup --args '["/tmp"]'
+    """
+    from .actions import add_entry
+    from .scheduler.dynamic import EventByName
+    from .scheduler.schedule import ScheduleError
+
+    if (event_name is None) == (actor is None):
+        _fail("give one of --event and --actor")
+    options = _json_option(options_json, "--options", dict)
+    schedules = _schedules(_settings())
+    try:
+        if event_name is not None:
+            target: Any = EventByName(event_name, _json_option(data, "--data", object))
+            entry = add_entry(schedules, name, spec, target, who=_who(), tz=tz, replace=replace, **options)
+        else:
+            args, kwargs = _json_option(args_json, "--args", list), _json_option(kwargs_json, "--kwargs", dict)
+            entry = add_entry(
+                schedules,
+                name,
+                spec,
+                actor,
+                who=_who(),
+                args=args,
+                kwargs=kwargs,
+                queue=queue,
+                tz=tz,
+                replace=replace,
+                **options,
+            )
+    except ScheduleError as exc:
+        raise click.ClickException(str(exc)) from None
+    next_fire = entry.next_fire.isoformat() if entry.next_fire else "never"
+    click.echo(f"entry {name} stored: next fire {next_fire}")
+
+
+@schedule.command("remove")
+@click.argument("name")
+def schedule_remove(name: str) -> None:
+    """Remove a stored schedule entry: its ticks stop at once (code entries are removed in code)."""
+    from .actions import remove_entry
+
+    if not remove_entry(_schedules(_settings()), name, who=_who()):
+        _fail(f"no stored schedule entry {name!r} (`dramatiq-gp schedule list` lists them)")
+    click.echo(f"entry {name} removed")
+
+
+@schedule.command("list")
+@click.argument("prefix", default="")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1), help="how many entries at most")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
+def schedule_list(prefix: str, limit: int, as_json: bool) -> None:
+    """The stored schedule entries whose name starts with PREFIX, by name, and how many there are in all."""
+    schedules = _schedules(_settings())
+    for entry in schedules.list(prefix, limit=limit):
+        next_fire = entry.next_fire.isoformat() if entry.next_fire else None
+        if as_json:
+            record = {**dataclasses.asdict(entry), "next_fire": next_fire}
+            click.echo(json.dumps(record))
+        else:
+            click.echo(f"{entry.name}  {entry.trigger} ({entry.zone})  {entry.kind} {entry.target}  next {next_fire}")
+    if not as_json:
+        click.echo(f"{len(schedules)} stored entr{'y' if len(schedules) == 1 else 'ies'} in all")
+
+
+def _json_option(raw: str, option: str, kind: type) -> Any:
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        _fail(f"{option} {raw!r}: not JSON ({exc})")
+        raise
+    if kind is not object and not isinstance(value, kind):
+        _fail(f"{option} {raw!r}: expected a JSON {'list' if kind is list else 'object'}")
+    return value
 
 
 def _scheduler_keys(settings: Settings) -> keys.SchedulerKeys:
@@ -866,6 +1005,10 @@ def status(as_json: bool) -> None:
             paused = f"  paused {paused}" if paused else ""  # a mark when who paused it cannot be read
             last = entry["last_fired"] or "never"
             click.echo(f"{line}  next {entry['next_fire'] or 'none'}  last {last}{paused}")
+        stored = scheduler["stored"]
+        if stored["count"]:
+            soonest = ", ".join(f"{each['name']} at {each['next_fire']}" for each in stored["next"])
+            click.echo(f"  {stored['count']} stored entries (`dramatiq-gp schedule list`); next: {soonest}")
     if report["outbox"] is not None:
         box = report["outbox"]
         oldest = f" (oldest {box['oldest_pending_age_s']} s)" if box["oldest_pending_age_s"] is not None else ""

@@ -82,6 +82,14 @@ class StoredEntry:
     next_fire: datetime | None = None
 
 
+@dataclass(frozen=True)
+class EventByName:
+    """An event given by its wire name and payload, where its class is not loaded (``dramatiq-gp schedule add``)."""
+
+    name: str
+    data: Any
+
+
 class Schedules:
     """Add, change and remove schedule entries at run time; the scheduler's leader fires them.
 
@@ -164,7 +172,7 @@ class Schedules:
         if outcome == "code":
             raise ScheduleError(f"{where} is a code entry a worker published: a stored entry may not take its name")
         if outcome == "exists":
-            raise ScheduleError(f"{where} exists already: give replace=True to change it")
+            raise ScheduleError(f"{where} exists already: replace it to change it (replace=True, --replace)")
         if not self._warned and not self.client.exists(self.keys.lease):
             self._warned = True  # once per process: a loop adding entries before the workers start says it once
             logger.warning(
@@ -228,6 +236,8 @@ class Schedules:
             raise ScheduleError(f"{where}: args= and kwargs= are for an actor; an event carries its payload")
         if queue is not None:
             raise ScheduleError(f"{where}: queue= is for an actor; an event's listeners choose their own queues")
+        if isinstance(target, EventByName):
+            return {"event": target.name, "data": target.data, "queue": EVENT_QUEUE}
         try:
             kind = event_type(target)
             if isinstance(target, type):

@@ -72,7 +72,22 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
         "namespace": scheduler.namespace,
         "leader": leader,
         "entries": entries,
+        "stored": _stored(client, scheduler),
         "catchup": _catchup(catchup) if catchup is not None else None,
+    }
+
+
+def _stored(client: redis.Redis, scheduler: keys.SchedulerKeys) -> dict[str, Any]:
+    """How many entries are stored at run time, and the next few to fire (not the whole set: it may hold 100,000)."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.hlen(scheduler.dynamic)
+        pipe.zrange(scheduler.due, 0, NEXT_FIRES - 1, withscores=True)
+        count, heads = pipe.execute()
+    return {
+        "count": count,
+        "next": [
+            {"name": text(name), "next_fire": datetime.fromtimestamp(ms / 1000, UTC).isoformat()} for name, ms in heads
+        ],
     }
 
 

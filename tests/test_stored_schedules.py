@@ -1,0 +1,292 @@
+"""Schedule entries stored at run time (``kit.schedules``, ``dramatiq-gp schedule add``), fired by the leader.
+
+Real Redis throughout; the firing tests run real scheduler processes
+(:mod:`devtools.scheduler_cluster`) and real ``dramatiq`` workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import dramatiq
+import pytest
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.date import DateTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+from click.testing import CliRunner
+
+import dramatiq_gp as gp
+from devtools.scheduler_cluster import Cluster
+from dramatiq_gp.cli import main
+from dramatiq_gp.scheduler.dynamic import EventByName
+from helpers import wait_for
+
+TTL = 2.0
+
+
+@gp.event("test.stored.ping")
+@dataclass(frozen=True)
+class Ping:
+    n: int
+
+
+@pytest.fixture
+def schedules(rdb, namespace) -> gp.Schedules:
+    return gp.Schedules(rdb, namespace, timezone="Europe/Budapest")
+
+
+@pytest.fixture
+def cluster(tmp_path, clean_env, redis_url, namespace):
+    clusters: list[Cluster] = []
+
+    def make(size: int = 3) -> Cluster:
+        env = {
+            "REDIS_URL": redis_url,
+            "VALKEY_NAMESPACE": namespace,
+            "SCHEDULER_LEASE_TTL": f"{TTL}s",
+            "SCHEDULER_DYNAMIC": "true",
+            "SCHEDULER_CATCHUP": "all",
+            "GP_TEST_SPEC": "",
+        }
+        clusters.append(Cluster(env, tmp_path, size))
+        clusters[-1].start()
+        return clusters[-1]
+
+    yield make
+    for each in clusters:
+        each.stop()
+
+
+def _error(call) -> str:
+    with pytest.raises(gp.ScheduleError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_an_entry_is_checked_before_it_is_stored_and_refused_with_one_line(schedules, rdb, namespace):
+    assert "hour value 25" in _error(lambda: schedules.add("a", "0 25 * * *", Ping(1)))
+    assert "not an IANA time zone" in _error(lambda: schedules.add("a", "@daily", Ping(1), tz="Mars/Olympus"))
+    assert "a name is letters" in _error(lambda: schedules.add("a b", "@daily", Ping(1)))
+    assert "cannot be stored" in _error(lambda: schedules.add("a", CronTrigger(hour=3), Ping(1)))
+    assert "jitter" in _error(lambda: schedules.add("a", IntervalTrigger(minutes=5, jitter=10), Ping(1)))
+    assert "not the class" in _error(lambda: schedules.add("a", "@daily", Ping))
+    assert "args= and kwargs= are for an actor" in _error(lambda: schedules.add("a", "@daily", Ping(1), args=[1]))
+    assert "an event instance, an actor" in _error(lambda: schedules.add("a", "@daily", 42))
+    assert "more than" in _error(lambda: schedules.add("a", "@daily", "job", args=["x" * 20_000]))
+    assert len(schedules) == 0 and rdb.zcard(f"{namespace}:scheduler:due") == 0
+
+    assert schedules.add("a", "@daily", Ping(1)) == "added"
+    assert "exists already" in _error(lambda: schedules.add("a", "@hourly", Ping(2)))
+    assert schedules.get("a").trigger == "@daily"
+    assert schedules.add("a", "@hourly", Ping(2), replace=True) == "replaced"
+    stored = schedules.get("a")
+    assert (stored.trigger, stored.kind, stored.target, stored.data) == (
+        "@hourly",
+        "event",
+        "test.stored.ping",
+        {"n": 2},
+    )
+    assert stored.zone == "Europe/Budapest" and stored.next_fire.minute == 0
+
+
+def test_a_code_entry_keeps_its_name(make_kit):
+    kit = make_kit(lambda registry, schedule: schedule.job("nightly", "0 3 * * *", lambda: None))
+    assert "defined in code" in _error(lambda: kit.schedules.add("nightly", "@hourly", Ping(1)))
+    # Where the code is not loaded (the CLI), the name a worker published is refused all the same.
+    kit.scheduler.start()
+    try:
+        bare = gp.Schedules(kit.broker.client, kit.broker.namespace)
+        assert "code entry a worker published" in _error(lambda: bare.add("nightly", "@hourly", Ping(1)))
+    finally:
+        kit.scheduler.stop()
+
+
+def test_the_kit_checks_actors_queues_and_options_against_its_broker(make_kit):
+    kit = make_kit()
+
+    @dramatiq.actor(queue_name="reports", broker=kit.broker)
+    def build_report(customer: int) -> None: ...
+
+    assert "no actor named 'nope'" in _error(lambda: kit.schedules.add("r", "@daily", "nope"))
+    assert "unknown option(s) bogus" in _error(lambda: kit.schedules.add("r", "@daily", build_report, bogus=1))
+    kit.schedules.add("r", "@daily", build_report, args=[7], max_retries=2)
+    stored = kit.schedules.get("r")
+    assert (stored.kind, stored.target, stored.queue, stored.options) == (
+        "actor",
+        "build_report",
+        "reports",
+        {"max_retries": 2},
+    )
+    assert stored.data == {"args": [7], "kwargs": {}}
+
+
+def test_storable_apscheduler_triggers_keep_their_start(schedules):
+    start = datetime(2026, 1, 1, 0, 0, 7, tzinfo=UTC)
+    schedules.add("i", IntervalTrigger(minutes=5, start_date=start), Ping(1))
+    next_fire = schedules.get("i").next_fire
+    assert (next_fire - start) % timedelta(minutes=5) == timedelta(0) and next_fire > datetime.now(UTC)
+    # Without a start_date, APScheduler picks one as the trigger is built: stored, so every leader counts from it.
+    schedules.add("j", IntervalTrigger(seconds=90), Ping(1))
+    schedules.add("d", DateTrigger(datetime.now(UTC) + timedelta(days=1)), Ping(1))
+    assert {entry.name for entry in schedules.list()} == {"d", "i", "j"}
+    assert schedules.get("d").trigger.startswith("date[")
+
+
+def test_list_pages_by_prefix_and_remove_takes_every_trace(schedules, rdb, namespace):
+    for n in range(30):
+        schedules.add(f"digest.{n:02}", "0 8 * * *", EventByName("digest.due", {"customer": n}))
+    schedules.add("other", "@daily", Ping(1))
+    assert [e.name for e in schedules.list("digest.", limit=3)] == ["digest.00", "digest.01", "digest.02"]
+    assert len(schedules.list("digest.")) == 30 and len(schedules) == 31
+    assert [e.name for e in schedules.next_due(31)][-1] in {e.name for e in schedules.list()}
+    rdb.hset(f"{namespace}:scheduler:last_fired", "other", 1)
+    rdb.hset(f"{namespace}:scheduler:paused", "other", "{}")
+    assert schedules.remove("other") and not schedules.remove("other")
+    for key in ("dynamic", "last_fired", "paused"):
+        assert not rdb.hexists(f"{namespace}:scheduler:{key}", "other")
+    assert rdb.zscore(f"{namespace}:scheduler:due", "other") is None
+
+
+def _stored_firings(cluster: Cluster) -> dict[str, list[tuple[datetime, str]]]:
+    by_entry = defaultdict(list)
+    for data in cluster.client.hvals(f"{cluster.namespace}:default.msgs"):
+        message = json.loads(data)
+        envelope = message["args"][0]
+        by_entry[envelope["entry"]].append((datetime.fromisoformat(envelope["scheduled_at"]), message["message_id"]))
+    return {name: sorted(firings) for name, firings in by_entry.items()}
+
+
+def test_stored_entries_fire_every_tick_once_through_leader_kills(cluster, rdb, namespace):
+    nodes = cluster(3)
+    nodes.wait_for_leader()
+    schedules = gp.Schedules(rdb, namespace)
+    names = [f"digest.{n}" for n in range(20)]
+    for n, name in enumerate(names):
+        schedules.add(name, "@every 1s", Ping(n))
+    for _ in range(2):
+        wait_for(lambda: len(_stored_firings(nodes).get(names[-1], [])) >= 3, timeout=10)
+        pid, _ = nodes.wait_for_leader()
+        index = nodes.index_of(pid)
+        nodes.kill(index, signal.SIGKILL)
+        nodes.wait_for_leader(other_than=pid, timeout=4 * TTL)
+        nodes.start(index)
+    wait_for(lambda: len(_stored_firings(nodes).get(names[-1], [])) >= 12, timeout=20)
+    firings = _stored_firings(nodes)
+    assert set(firings) == set(names)
+    for name, fired in firings.items():
+        ticks = [tick for tick, _ in fired]
+        assert Counter(message_id for _, message_id in fired).most_common(1)[0][1] == 1, name
+        gaps = {b - a for a, b in itertools.pairwise(ticks)}
+        assert gaps == {timedelta(seconds=1)}, (name, sorted(gaps))
+
+
+def test_workers_run_stored_events_and_actors_paused_resumed_and_removed(run_worker_app, rdb, namespace):
+    run_worker_app()
+    schedules = gp.Schedules(rdb, namespace)
+    schedules.add("ping", "@every 1s", EventByName("test.stored.digest", {"customer": 7}))
+    schedules.add("mail", "@every 1s", "send_digest", args=[42], kwargs={"channel": "sms"}, queue="digests")
+    runs = f"{namespace}:test:runs"
+
+    def recorded() -> list[dict]:
+        return [json.loads(line) for line in rdb.lrange(runs, 0, -1)]
+
+    wait_for(lambda: sum("actor" in r for r in recorded()) >= 2 and sum("event" in r for r in recorded()) >= 2, 20)
+    assert {r["channel"] for r in recorded() if "actor" in r} == {"sms"}
+    assert {r["actor"] for r in recorded() if "actor" in r} == {42}
+    events = [r for r in recorded() if "event" in r]
+    assert {r["event"] for r in events} == {7}
+    assert all(datetime.fromisoformat(r["scheduled_at"]).microsecond == 0 for r in events)
+
+    result = CliRunner().invoke(main, ["schedule", "pause", "mail"], env={"VALKEY_NAMESPACE": namespace})
+    assert result.exit_code == 0, result.output
+    paused_at = sum("actor" in r for r in recorded())
+    wait_for(lambda: sum("event" in r for r in recorded()) >= len(events) + 3, 10)
+    assert sum("actor" in r for r in recorded()) <= paused_at + 1  # at most one tick in flight as it was paused
+    assert schedules.remove("ping")
+    rdb.delete(runs)
+    result = CliRunner().invoke(main, ["schedule", "resume", "mail"], env={"VALKEY_NAMESPACE": namespace})
+    assert result.exit_code == 0, result.output
+    wait_for(lambda: sum("actor" in r for r in recorded()) >= 2, 10)
+    assert not [r for r in recorded() if "event" in r][1:]  # one at most: the tick in flight as it was removed
+
+
+@pytest.fixture
+def run_worker_app(tmp_path, clean_env, redis_url, namespace):
+    root = Path(__file__).resolve().parent.parent
+    processes = []
+
+    def run() -> None:
+        env = {**os.environ, "REDIS_URL": redis_url, "VALKEY_NAMESPACE": namespace, "SCHEDULER_DYNAMIC": "true"}
+        log = tmp_path / "worker.log"
+        with open(log, "w") as out:
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dramatiq", "tests.apps.stored_app", "-p", "2", "-t", "2"],
+                    cwd=root,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        wait_for(lambda: "leadership acquired" in log.read_text(), timeout=30)
+
+    yield run
+    for process in processes:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+
+
+def test_the_cli_adds_lists_previews_and_removes_stored_entries(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+
+    def cli(*args: str):
+        return CliRunner().invoke(main, list(args))
+
+    added = cli(
+        "schedule",
+        "add",
+        "digest.42",
+        "0 8 * * *",
+        "--tz",
+        "Asia/Tokyo",
+        "--event",
+        "digest.due",
+        "--data",
+        '{"customer": 42}',
+    )
+    assert added.exit_code == 0, added.output
+    assert "entry digest.42 stored: next fire " in added.output and "+09:00" in added.output
+    twice = cli("schedule", "add", "digest.42", "0 9 * * *", "--event", "digest.due")
+    assert twice.exit_code == 1 and "exists already" in twice.output
+    bad = cli("schedule", "add", "x", "0 8 * *", "--actor", "a")
+    assert bad.exit_code == 1 and "has 4 fields" in bad.output and "Traceback" not in bad.output
+    neither = cli("schedule", "add", "x", "@daily")
+    assert neither.exit_code == 1 and "give one of --event and --actor" in neither.output
+    assert cli("schedule", "add", "job.1", "@every 10m", "--actor", "cleanup", "--args", '["/tmp"]').exit_code == 0
+
+    listed = cli("schedule", "list")
+    assert listed.exit_code == 0 and "digest.42  0 8 * * * (Asia/Tokyo)  event digest.due" in listed.output
+    assert "2 stored entries in all" in listed.output
+    as_json = [json.loads(line) for line in cli("schedule", "list", "job.", "--json").output.splitlines()]
+    assert [(e["name"], e["kind"], e["data"]) for e in as_json] == [
+        ("job.1", "actor", {"args": ["/tmp"], "kwargs": {}})
+    ]
+    fires = cli("schedule", "next", "digest.42", "-n", "2").output.splitlines()
+    assert [datetime.fromisoformat(f).hour for f in fires] == [8, 8] and all("+09:00" in f for f in fires)
+    status = cli("status")
+    assert "2 stored entries" in status.output
+    assert cli("schedule", "remove", "digest.42").exit_code == 0
+    gone = cli("schedule", "remove", "digest.42")
+    assert gone.exit_code == 1 and "no stored schedule entry 'digest.42'" in gone.output
