@@ -554,7 +554,9 @@ def _stored_trigger(client: redis.Redis, scheduler: keys.SchedulerKeys, name: st
 def _schedules(settings: Settings) -> Any:
     from .scheduler.dynamic import Schedules
 
-    return Schedules(_redis(settings), _scheduler_keys(settings).namespace, timezone=settings.scheduler.timezone)
+    namespace = _scheduler_keys(settings).namespace
+    # Whether a leader runs, the command says on its own output.
+    return Schedules(_redis(settings), namespace, timezone=settings.scheduler.timezone, warn_leaderless=False)
 
 
 @schedule.command("add")
@@ -625,6 +627,10 @@ def schedule_add(
         raise click.ClickException(str(exc)) from None
     next_fire = entry.next_fire.isoformat() if entry.next_fire else "never"
     click.echo(f"entry {name} stored: next fire {next_fire}")
+    if not schedules.leader_runs():
+        click.echo(
+            "no scheduler leader runs now: it fires once a worker with a schedule, or SCHEDULER_DYNAMIC=true, runs"
+        )
 
 
 @schedule.command("remove")

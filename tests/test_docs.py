@@ -176,7 +176,10 @@ def test_the_cli_pages_generator_commands_run_as_shown_and_again_change_nothing(
 def test_the_cli_pages_operator_commands_run_against_real_servers_as_shown(tmp_path, shell_env, make_kit):
     # The page's order; a block added to the page fails here until this test runs it too.
     blocks = _shell_blocks(CLI_PAGE)
-    _generators, (migrate, _), (status, status_shown), (schedule, schedule_shown), (outbox, _), (dlq, _) = blocks
+    _generators, (migrate, _), (status, status_shown), (schedule, schedule_shown), (stored, stored_shown), *rest = (
+        blocks
+    )
+    (outbox, _), (dlq, _) = rest
 
     missing = subprocess.run(["dramatiq-gp", "migrate", "status"], env=shell_env, capture_output=True, text=True)
     assert missing.returncode == 1 and "outbox table 'outbox_events' is missing" in missing.stdout
@@ -217,6 +220,18 @@ def test_the_cli_pages_operator_commands_run_against_real_servers_as_shown(tmp_p
     finally:
         kit.scheduler.stop()
         kit.engine.dispose()
+
+    # Stored entries, with no leader running now (the page shows what that says).
+    done, _ = _run_block(stored, tmp_path, shell_env)
+    _succeeded(done)
+    assert [_shape(line) for line in done[0].stdout.splitlines()] == [
+        _shape(line) for line in stored_shown.splitlines()
+    ]
+    listed = done[2].stdout.splitlines()
+    assert listed[0].startswith("cleanup.tmp  @every 10m (UTC)  actor cleanup  next ") and listed[-1] == (
+        "2 stored entries in all"
+    )
+    assert done[3].stdout.strip() == "entry cleanup.tmp removed"
 
     bad = re.search(r"A bad spec names its culprit: `(Error: cron spec '([^']+)'[^`]*)`", CLI_PAGE.read_text())
     assert bad is not None

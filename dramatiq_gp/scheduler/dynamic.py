@@ -103,6 +103,8 @@ class Schedules:
         timezone: the zone of entries given no ``tz=`` (``SCHEDULER_TIMEZONE``).
         schedule: the code schedule, whose names stored entries may not take.
         broker: the application's broker, to check actors, queues and options against.
+        warn_leaderless: log a warning (once) when an entry is stored while no leader runs; the CLI
+            says so on its own output instead (:meth:`leader_runs`).
     """
 
     def __init__(
@@ -113,13 +115,14 @@ class Schedules:
         timezone: str = "UTC",
         schedule: Schedule | None = None,
         broker: Any = None,
+        warn_leaderless: bool = True,
     ) -> None:
         self.client, self.keys = client, keys.SchedulerKeys(namespace)
         self.zone = _zone(timezone, "SCHEDULER_TIMEZONE")
         self._schedule, self._broker = schedule, broker
         self._add = client.register_script(_SCRIPTS["add"])
         self._remove = client.register_script(_SCRIPTS["remove"])
-        self._warned = False
+        self._warned = not warn_leaderless
 
     def add(
         self,
@@ -173,7 +176,7 @@ class Schedules:
             raise ScheduleError(f"{where} is a code entry a worker published: a stored entry may not take its name")
         if outcome == "exists":
             raise ScheduleError(f"{where} exists already: replace it to change it (replace=True, --replace)")
-        if not self._warned and not self.client.exists(self.keys.lease):
+        if not self._warned and not self.leader_runs():
             self._warned = True  # once per process: a loop adding entries before the workers start says it once
             logger.warning(
                 "%s stored, but no scheduler leader runs in namespace %s: it fires once a worker with a schedule, "
@@ -182,6 +185,10 @@ class Schedules:
                 self.keys.namespace,
             )
         return cast(Added, outcome)
+
+    def leader_runs(self) -> bool:
+        """Whether a scheduler leader holds the lease in this namespace now (one fires stored entries)."""
+        return bool(self.client.exists(self.keys.lease))
 
     def remove(self, name: str) -> bool:
         """Remove the stored entry ``name``; its ticks stop at once. False if there is none."""
