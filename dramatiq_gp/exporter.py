@@ -58,6 +58,11 @@ METRICS: dict[str, tuple[str, str]] = {
         "How long no scheduler has held the lease, as far as this exporter has seen (0 while one does).",
     ),
     "dramatiq_gp_scheduler_lease_ttl_seconds": ("gauge", "The scheduler's lease time to live (SCHEDULER_LEASE_TTL)."),
+    "dramatiq_gp_scheduler_stored_entries": ("gauge", "Schedule entries stored at run time (kit.schedules)."),
+    "dramatiq_gp_scheduler_stored_overdue_seconds": (
+        "gauge",
+        "How long past its tick the earliest stored entry still waits to be fired (0 when none is due).",
+    ),
     "dramatiq_gp_schedule_last_fire_timestamp_seconds": ("gauge", "When a schedule entry last fired (Unix time)."),
     "dramatiq_gp_schedule_paused": ("gauge", "1 when a schedule entry is paused, else 0."),
     "dramatiq_gp_worker_alive": ("gauge", "1 when a worker process reports itself alive, else 0."),
@@ -144,10 +149,17 @@ class Exporter:
         since = self._leaderless_since
         # A deployment without a schedule elects no leader (an empty schedule starts no election): no
         # leader is no fault there, and a series saying "leaderless" would only page someone.
-        if scheduler["entries"]:
+        stored = scheduler["stored"]
+        if scheduler["entries"] or stored["count"]:
             _gauge(into, "dramatiq_gp_scheduler_leader_present", (), int(since is None))
             leaderless = 0 if since is None else round(time.monotonic() - since, 3)
             _gauge(into, "dramatiq_gp_scheduler_leaderless_seconds", (), leaderless)
+        if stored["count"]:
+            # Stored entries are many (one per customer): their count and how far behind the earliest is, not a
+            # series each.
+            _gauge(into, "dramatiq_gp_scheduler_stored_entries", (), stored["count"])
+            due_ms = stored["next_ms"][0] if stored["next_ms"] else now_ms
+            _gauge(into, "dramatiq_gp_scheduler_stored_overdue_seconds", (), max(0, now_ms - due_ms) / 1000)
         for entry in scheduler["entries"]:
             labels = (("entry", entry["name"]),)
             _gauge(into, "dramatiq_gp_schedule_paused", labels, int(entry["paused"] is not None))

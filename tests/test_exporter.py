@@ -27,6 +27,7 @@ from dramatiq_gp import keys
 from dramatiq_gp.brokers.kinds import view_for
 from dramatiq_gp.brokers.redis_view import RedisQueueView
 from dramatiq_gp.exporter import METRICS
+from dramatiq_gp.scheduler.dynamic import EventByName
 from helpers import wait_for
 
 #: What a scrape gives: metric name → its label pairs → value.
@@ -285,6 +286,24 @@ def test_the_scheduler_leader_the_time_without_one_and_each_entry(clean_env, nam
     )
     assert value(again, "dramatiq_gp_scheduler_leader_present") == 1
     assert value(again, "dramatiq_gp_scheduler_leaderless_seconds") == 0
+
+
+def test_stored_entries_are_counted_with_how_far_behind_the_earliest_is(clean_env, namespace, rdb):
+    scheduler = keys.SchedulerKeys(namespace)
+    schedules = gp.Schedules(rdb, namespace, warn_leaderless=False)
+    for n in range(3):
+        schedules.add(f"digest.{n}", "0 8 * * *", EventByName("digest.due", {"customer": n}))
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    with exporter() as base:
+        waiting = scrape(base)
+        rdb.zadd(scheduler.due, {"digest.1": current_millis() - 30_000})  # no leader fired it 30 s ago
+        behind = scrape(base)
+    assert value(waiting, "dramatiq_gp_scheduler_stored_entries") == 3
+    assert value(waiting, "dramatiq_gp_scheduler_stored_overdue_seconds") == 0
+    # Stored entries alone are a schedule: a deployment with no leader to fire them is leaderless.
+    assert value(waiting, "dramatiq_gp_scheduler_leader_present") == 0
+    assert 30 <= value(behind, "dramatiq_gp_scheduler_stored_overdue_seconds") < 60
+    assert value(behind, "dramatiq_gp_schedule_paused", entry="digest.1") is None  # no series per stored entry
 
 
 def test_each_live_worker_process_s_health_and_a_stale_record_counts_as_down(clean_env, namespace, rdb):

@@ -85,6 +85,7 @@ def _stored(client: redis.Redis, scheduler: keys.SchedulerKeys) -> dict[str, Any
         count, heads = pipe.execute()
     return {
         "count": count,
+        "next_ms": [int(ms) for _, ms in heads],
         "next": [
             {"name": text(name), "next_fire": datetime.fromtimestamp(ms / 1000, UTC).isoformat()} for name, ms in heads
         ],
