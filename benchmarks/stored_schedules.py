@@ -5,8 +5,9 @@ with ``gp.Schedules.add`` while three scheduler processes with an empty code
 schedule and ``SCHEDULER_DYNAMIC=true`` contend for the lease. ``--burst`` of them
 (default 2,000) fire every minute (``* * * * *``), all at the same instant; the rest
 are daily digests at a random local time in their zone, so a few also fall in the
-window. The leader is killed (SIGKILL) ``--failovers`` times, mid-minute, and
-restarted, from the window's second minute on.
+window. The leader is killed (SIGKILL) ``--failovers`` times, from the window's
+second minute on, and restarted: mid-minute, and every second time a second or
+two before a burst, so that the next leader fires that burst late.
 
 Every tick due in the measured window must be on the queue exactly once.
 Lateness is the message's timestamp (taken as the leader builds it) less its
@@ -91,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
             cpu_from = {pid: _cpu_s(pid) for pid in cluster.pids()}
             cpu_wall, cpu_to = time.time(), None
             takeovers, windows = [], []
-            kill_at = [window_start + 60 * m + rng.uniform(20, 35) for m in range(1, args.minutes)]
+            # Mid-minute, and (every second kill) a second or two before a burst, which the next leader then fires.
+            kill_at = [
+                window_start + 60 * m + (rng.uniform(58, 59.5) if m % 2 == 0 else rng.uniform(20, 35))
+                for m in range(1, args.minutes)
+            ]
             for kill in kill_at[: args.failovers]:
                 time.sleep(max(0.0, kill - time.time()))
                 pid, _ = cluster.wait_for_leader()
