@@ -148,6 +148,7 @@ def test_a_skipped_duplicate_and_a_timed_out_task_still_end_their_spans(make_kit
     assert slow.attributes["dramatiq_gp.will_retry"] is False
 
 
+@pytest.mark.usefixtures("broker")
 def test_each_scheduler_firing_starts_a_trace_named_after_its_entry(make_kit, start_worker, spans):
     provider, exporter = spans
     ran = threading.Event()
@@ -170,6 +171,26 @@ def test_each_scheduler_firing_starts_a_trace_named_after_its_entry(make_kit, st
     assert root.attributes["dramatiq_gp.schedule.outcome"] == "fired"
     assert root.context.trace_id == send.context.trace_id == process.context.trace_id
     assert len({s.context.trace_id for s in roots.values()}) == len(roots)  # a new trace per firing
+
+
+@pytest.mark.usefixtures("broker")
+def test_a_stored_entry_s_firing_starts_its_trace_too(make_kit, start_worker, spans):
+    provider, exporter = spans
+    ran = threading.Event()
+    kit = make_kit(env={"SCHEDULER_LEASE_TTL": "1500ms", "SCHEDULER_DYNAMIC": "true"}, tracer_provider=provider)
+    report = dramatiq.actor(lambda customer: ran.set(), actor_name="customer_report", broker=kit.broker)
+    kit.schedules.add("report.customer-7", "@every 1s", report, args=[7])
+    start_worker(kit)
+    wait_for(ran.is_set, timeout=10)
+    wait_for(lambda: _finished(exporter, "process customer_report"))
+    kit.scheduler.stop()
+
+    (process, *_) = _finished(exporter, "process customer_report")
+    roots = {s.context.span_id: s for s in _finished(exporter, "schedule report.customer-7")}
+    send = {s.context.span_id: s for s in _finished(exporter, "send customer_report")}[_parent(process)]
+    root = roots[_parent(send)]
+    assert root.parent is None and root.attributes["dramatiq_gp.schedule.outcome"] == "fired"
+    assert root.context.trace_id == send.context.trace_id == process.context.trace_id
 
 
 def test_a_send_that_fails_ends_its_span_with_the_error(make_kit, spans, clean_env):

@@ -141,12 +141,16 @@ class Outlet(ABC):
     def fire(self, tick: Tick) -> Outcome:
         """Claim ``tick`` and put its message into its queue: once, and never one without the other."""
 
+    #: Whether :meth:`prepare` announces the message (``before_enqueue``), so that :meth:`fire_prepared`
+    #: may claim many at once outside their firings' spans; otherwise each is fired in its span by :meth:`fire`.
+    batches = False
+
     def prepare(self, tick: Tick) -> Tick:
         """``tick`` as :meth:`fire_prepared` takes it; called in the firing's span, so a send hook sees it."""
         return tick
 
     def fire_prepared(self, ticks: list[Tick]) -> list[Outcome]:
-        """:meth:`fire` each prepared tick, in order; an outlet that can claims them in one round trip."""
+        """:meth:`fire` each prepared tick, in order; an outlet that :attr:`batches` claims them in one round trip."""
         return [self.fire(tick) for tick in ticks]
 
     @abstractmethod
@@ -229,6 +233,8 @@ class PushOutlet(Outlet):
     def __init__(self, broker: KitBroker, scheduler_keys: keys.SchedulerKeys, tick_ttl_ms: int, **wait: Any) -> None:
         super().__init__(broker, scheduler_keys, tick_ttl_ms, **wait)
         self._release_script = broker.client.register_script(_SCRIPTS["release"])
+
+    batches = True
 
     def fire(self, tick: Tick) -> Outcome:
         return self.fire_prepared([self.prepare(tick)])[0]

@@ -512,7 +512,13 @@ class Runner:
                 ticks.append(self.outlet.prepare(Tick(entry.name, _ms(tick), self._message(entry, tick), lease)))
             spans.append(span)
         try:
-            outcomes = self.outlet.fire_prepared(ticks)
+            if self.outlet.batches:
+                outcomes = self.outlet.fire_prepared(ticks)
+            else:  # the outlet announces each message as it sends it: in its firing's span
+                outcomes = []
+                for span, prepared in zip(spans, ticks, strict=True):
+                    with trace.use_span(span, end_on_exit=False):
+                        outcomes.append(self.outlet.fire(prepared))
         except BaseException as exc:
             for span in spans:
                 span.record_exception(exc)
