@@ -140,7 +140,7 @@ def migrate() -> None:
 
 @migrate.command("up")
 def migrate_up() -> None:
-    """Create the outbox and inbox tables and their indexes where missing (safe to run again).
+    """Create the outbox and inbox tables, their indexes and later columns where missing (safe to run again).
 
     \b
     Example:
@@ -157,7 +157,7 @@ def migrate_up() -> None:
 
 @migrate.command("status")
 def migrate_status() -> None:
-    """Whether the outbox and inbox tables and their indexes exist; exits 1 if something is missing.
+    """Whether the outbox and inbox tables, their indexes and columns exist; exits 1 if something is missing.
 
     \b
     Example:
@@ -165,7 +165,7 @@ def migrate_status() -> None:
     """
     import sqlalchemy as sa
 
-    from .outbox.table import INBOX, OUTBOX_EVENTS
+    from .outbox.table import INBOX, OUTBOX_EVENTS, missing_columns
 
     settings = _settings()
     problems = []
@@ -180,6 +180,11 @@ def migrate_status() -> None:
             if missing:
                 problems.append(
                     f"{kind} table present; missing index(es) {', '.join(missing)}: run `dramatiq-gp migrate up`"
+                )
+            columns = [name for table_name, name in missing_columns(engine) if table_name == table.name]
+            if columns:
+                problems.append(
+                    f"{kind} table present; missing column(s) {', '.join(columns)}: run `dramatiq-gp migrate up`"
                 )
     if problems:
         click.echo("\n".join(problems))
@@ -869,7 +874,9 @@ def status(as_json: bool) -> None:
     if report["outbox"] is not None:
         box = report["outbox"]
         oldest = f" (oldest {box['oldest_pending_age_s']} s)" if box["oldest_pending_age_s"] is not None else ""
-        click.echo(f"outbox: {box['pending']} pending{oldest}, {box['set_aside']} set aside")
+        click.echo(
+            f"outbox: {box['pending']} pending{oldest}, {box['scheduled']} scheduled, {box['set_aside']} set aside"
+        )
     for queue in report["queues"]:
         if queue.get("unknown"):  # RabbitMQ: its counts cannot be trusted now
             click.echo(f"queue {queue['name']}: counts unknown ({queue['unknown']}), {queue['in_flight']} in flight")
