@@ -35,8 +35,10 @@ from helpers import delayed, own_database, ready, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 T = OUTBOX_EVENTS.c
-#: How late a due event may reach its listener: the relay wakes at the due time, then one fan-out and one listener run.
-LATENESS_S = 1.0
+#: How late a due event may reach its listener. The relay publishes it within milliseconds of its time (the test
+#: below holds it to 0.5 s); the rest is the broker's delivery: an idle Redis worker polls its queues up to a second
+#: apart (RabbitMQ pushes: tens of milliseconds), then one fan-out and one listener run.
+LATENESS_S = 2.0
 
 
 def _arrivals(rdb: redis.Redis, namespace: str) -> list[dict]:
