@@ -192,6 +192,7 @@ def test_status_prints_one_line_per_scheduler_entry_outbox_and_queue(make_kit, e
     with engine.begin() as conn:
         for n in range(2):
             gp.dispatch(conn, OrderPlaced(n))
+        gp.dispatch(conn, OrderPlaced(2), delay=timedelta(hours=1))  # scheduled: not pending, no lag
     for n in range(2):
         kit.broker.enqueue(Message(queue_name="mail", actor_name="send", args=(n,), kwargs={}, options={}))
     kit.broker.enqueue(Message(queue_name="mail", actor_name="send", args=(9,), kwargs={}, options={}), delay=60_000)
@@ -220,7 +221,7 @@ def test_status_prints_one_line_per_scheduler_entry_outbox_and_queue(make_kit, e
     # Both in the entry's zone: once, next was local and last UTC.
     assert entry == f"  nightly  0 3 * * * (Europe/Budapest)  next {next_fire.isoformat()}  last {last.isoformat()}"
     outbox = next(line for line in lines if line.startswith("outbox: "))
-    assert re.fullmatch(r"outbox: 2 pending \(oldest \d+(\.\d+)? s\), 1 set aside", outbox), outbox
+    assert re.fullmatch(r"outbox: 2 pending \(oldest \d+(\.\d+)? s\), 1 scheduled, 1 set aside", outbox), outbox
     assert [line for line in lines if line.startswith("queue ")] == [
         "queue mail: 2 ready, 0 in flight, 1 delayed, 0 dead"
     ]
@@ -252,7 +253,7 @@ def test_status_names_empty_queues_an_entry_never_fired_an_unknown_zone_and_no_o
     assert [e["last_fired"] for s in report["schedulers"] for e in s["entries"] if e["name"] == "yearly"] == [None]
     (moon,) = [line for line in lines if line.startswith("  moon ")]
     assert "(Mars/Phobos (unknown here: times in UTC))" in moon and "+00:00" in moon
-    assert "outbox: 0 pending, 0 set aside" in lines  # not "oldest None s"
+    assert "outbox: 0 pending, 0 scheduled, 0 set aside" in lines  # not "oldest None s"
 
 
 def test_dlq_list_without_a_queue_lists_every_queues_dead_letters(make_kit, rdb, namespace):
