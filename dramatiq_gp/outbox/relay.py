@@ -135,7 +135,8 @@ class Relay:
         self._listener: psycopg.Connection[Any] | None = None
         self._last_purge = 0.0
         self._next_prune = 0.0
-        self._schema_ok = self._schema_said = False
+        #: Whether the table was found as this version needs it; and whether it was found not to be (said once).
+        self._schema_ok = self._outdated = False
         #: Seconds until the next pending row falls due, as the last round that found none due read it.
         self._next_due: float | None = None
         #: How long inbox rows are kept (``OUTBOX_INBOX_RETENTION``, resolved by ``Settings.from_env``).
@@ -309,8 +310,9 @@ class Relay:
 
     def _read_backlog(self) -> tuple[int, float] | None:
         # Only while the relay runs: once stopped, its engine may be disposed, and a
-        # collection must not open a new pool on it that nothing would close.
-        if self._thread is None or self._stopping.is_set() or not self._schema_ok:
+        # collection must not open a new pool on it that nothing would close. Nor on a
+        # table without the columns it reads: the relay has said so, once.
+        if self._thread is None or self._stopping.is_set() or self._outdated:
             return None
         # Both gauges are read in one collection: one query serves them.
         read_at, count, age = self._backlog
@@ -410,12 +412,12 @@ class Relay:
         with self.engine.connect() as conn:
             problem = outbox_problem(conn)
         if problem is None:
-            if self._schema_said:
+            if self._outdated:
                 self.logger.info("outbox table migrated, relaying")
-            self._schema_ok = True
-        elif not self._schema_said:
+            self._schema_ok, self._outdated = True, False
+        elif not self._outdated:
             self.logger.error("outbox relay waiting: %s", problem)
-            self._schema_said = True
+            self._outdated = True
         return self._schema_ok
 
     def _ensure_listening(self) -> None:
