@@ -198,7 +198,7 @@ def migrate_status() -> None:
 
 @main.group("outbox")
 def outbox_group() -> None:
-    """Events the relays set aside.
+    """Events the relays set aside, and delayed events not yet due.
 
     \b
     Example:
@@ -225,6 +225,26 @@ def outbox_failed(limit: int, as_json: bool) -> None:
             else:
                 click.echo(f"{event.id}  {event.event}  attempts={event.attempts}  failed={event.failed_at}")
                 click.echo(f"    {event.last_error}")
+
+
+@outbox_group.command("scheduled")
+@click.option("--limit", default=100, show_default=True, help="at most this many")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
+def outbox_scheduled(limit: int, as_json: bool) -> None:
+    """List the delayed events not yet due, soonest first (dispatch with delay= or at=).
+
+    \b
+    Example:
+      dramatiq-gp outbox scheduled --limit 20
+    """
+    from . import outbox
+
+    with _database(_settings()) as engine, engine.connect() as conn:
+        for event in outbox.scheduled_events(conn, limit=limit):
+            if as_json:
+                click.echo(json.dumps({**vars(event), "id": str(event.id)}, default=str))
+            else:
+                click.echo(f"{event.id}  {event.event}  due={event.not_before}  dispatched={event.created_at}")
 
 
 @outbox_group.command("retry")

@@ -108,6 +108,7 @@ def test_every_command_explains_itself_with_an_example():
         ["outbox", "failed"],
         ["outbox", "retry"],
         ["outbox", "replay"],
+        ["outbox", "scheduled"],
         ["schedule", "next"],
         ["status"],
         ["dlq", "list"],
@@ -287,6 +288,24 @@ def test_outbox_failed_json_prints_each_set_aside_event_as_one_object_per_line(m
         assert event["last_error"] == "event type 'test.cli.retired' is unknown here (no class declares it)"
         assert event["payload"]["order_id"] in (7, 8)
         assert datetime.fromisoformat(event["created_at"]) <= datetime.fromisoformat(event["failed_at"])
+
+
+def test_outbox_scheduled_lists_the_delayed_events_not_yet_due_soonest_first(make_kit, engine, database_url):
+    make_kit(env={"DB_URL": database_url})
+    with engine.begin() as conn:
+        later = gp.dispatch(conn, OrderPlaced(1), delay=timedelta(days=2))
+        sooner = gp.dispatch(conn, OrderPlaced(2), at=datetime.now(UTC) + timedelta(hours=1))
+        gp.dispatch(conn, OrderPlaced(3))  # pending: not listed
+        gp.dispatch(conn, OrderPlaced(4), at=datetime.now(UTC) - timedelta(hours=1))  # due: pending
+    result = run("outbox", "scheduled", "--json")
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [e["id"] for e in events] == [sooner, later]
+    assert set(events[0]) == {"id", "event", "created_at", "not_before"}  # never the payload
+    due = datetime.fromisoformat(events[1]["not_before"]) - datetime.fromisoformat(events[1]["created_at"])
+    assert timedelta(days=2) - timedelta(seconds=5) < due < timedelta(days=2) + timedelta(seconds=5)
+    text = run("outbox", "scheduled", "--limit", "1").stdout.splitlines()
+    assert len(text) == 1 and text[0].startswith(f"{sooner}  test.telemetry.order_placed  due=")
 
 
 def test_outbox_retry_by_id_makes_just_that_event_pending_again(make_kit, engine, database_url):

@@ -70,6 +70,29 @@ def failed_events(conn: sa.Connection, *, limit: int = 100) -> list[FailedEvent]
     return [FailedEvent(*row) for row in rows]
 
 
+@dataclass(frozen=True)
+class ScheduledEvent:
+    """A delayed outbox row not yet due."""
+
+    id: uuid.UUID
+    event: str
+    created_at: datetime
+    not_before: datetime
+
+
+def scheduled_events(conn: sa.Connection, *, limit: int = 100) -> list[ScheduledEvent]:
+    """The delayed rows not yet due, soonest first (never their payloads: those are the application's)."""
+    now: Any = sa.func.now() if conn.dialect.name == "postgresql" else datetime.now(UTC).replace(tzinfo=None)
+    rows = conn.execute(
+        sa.select(T.id, T.event, T.created_at, T.not_before)
+        # available_at starts at the due time and only moves later: the range the pending index serves.
+        .where(T.published_at.is_(None), T.failed_at.is_(None), T.available_at > now, T.not_before > now)
+        .order_by(T.available_at)
+        .limit(limit)
+    ).all()
+    return [ScheduledEvent(*row) for row in rows]
+
+
 def retry_failed(conn: sa.Connection, ids: Sequence[uuid.UUID | str] | None = None) -> int:
     """Make set-aside rows pending again (all of them when ``ids`` is None); returns how many."""
     query = sa.update(OUTBOX_EVENTS).where(T.failed_at.is_not(None))
