@@ -141,7 +141,7 @@ def migrate() -> None:
 
 @migrate.command("up")
 def migrate_up() -> None:
-    """Create the outbox and inbox tables and their indexes where missing (safe to run again).
+    """Create the outbox and inbox tables, their indexes and later columns where missing (safe to run again).
 
     \b
     Example:
@@ -158,7 +158,7 @@ def migrate_up() -> None:
 
 @migrate.command("status")
 def migrate_status() -> None:
-    """Whether the outbox and inbox tables and their indexes exist; exits 1 if something is missing.
+    """Whether the outbox and inbox tables, their indexes and columns exist; exits 1 if something is missing.
 
     \b
     Example:
@@ -166,7 +166,7 @@ def migrate_status() -> None:
     """
     import sqlalchemy as sa
 
-    from .outbox.table import INBOX, OUTBOX_EVENTS
+    from .outbox.table import INBOX, OUTBOX_EVENTS, missing_columns
 
     settings = _settings()
     problems = []
@@ -182,6 +182,11 @@ def migrate_status() -> None:
                 problems.append(
                     f"{kind} table present; missing index(es) {', '.join(missing)}: run `dramatiq-gp migrate up`"
                 )
+            columns = [name for table_name, name in missing_columns(engine) if table_name == table.name]
+            if columns:
+                problems.append(
+                    f"{kind} table present; missing column(s) {', '.join(columns)}: run `dramatiq-gp migrate up`"
+                )
     if problems:
         click.echo("\n".join(problems))
         sys.exit(1)
@@ -194,7 +199,7 @@ def migrate_status() -> None:
 
 @main.group("outbox")
 def outbox_group() -> None:
-    """Events the relays set aside.
+    """Events the relays set aside, and delayed events not yet due.
 
     \b
     Example:
@@ -221,6 +226,26 @@ def outbox_failed(limit: int, as_json: bool) -> None:
             else:
                 click.echo(f"{event.id}  {event.event}  attempts={event.attempts}  failed={event.failed_at}")
                 click.echo(f"    {event.last_error}")
+
+
+@outbox_group.command("scheduled")
+@click.option("--limit", default=100, show_default=True, help="at most this many")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
+def outbox_scheduled(limit: int, as_json: bool) -> None:
+    """List the delayed events not yet due, soonest first (dispatch with delay= or at=).
+
+    \b
+    Example:
+      dramatiq-gp outbox scheduled --limit 20
+    """
+    from . import outbox
+
+    with _database(_settings()) as engine, engine.connect() as conn:
+        for event in outbox.scheduled_events(conn, limit=limit):
+            if as_json:
+                click.echo(json.dumps({**vars(event), "id": str(event.id)}, default=str))
+            else:
+                click.echo(f"{event.id}  {event.event}  due={event.not_before}  dispatched={event.created_at}")
 
 
 @outbox_group.command("retry")
@@ -1018,7 +1043,9 @@ def status(as_json: bool) -> None:
     if report["outbox"] is not None:
         box = report["outbox"]
         oldest = f" (oldest {box['oldest_pending_age_s']} s)" if box["oldest_pending_age_s"] is not None else ""
-        click.echo(f"outbox: {box['pending']} pending{oldest}, {box['set_aside']} set aside")
+        click.echo(
+            f"outbox: {box['pending']} pending{oldest}, {box['scheduled']} scheduled, {box['set_aside']} set aside"
+        )
     for queue in report["queues"]:
         if queue.get("unknown"):  # RabbitMQ: its counts cannot be trusted now
             click.echo(f"queue {queue['name']}: counts unknown ({queue['unknown']}), {queue['in_flight']} in flight")

@@ -41,6 +41,11 @@ class EventError(GPError, TypeError):
     """A class was used as an event but is not one, or was declared twice."""
 
 
+class DispatchError(GPError, ValueError):
+    """A dispatch's ``delay`` or ``at`` is not one it can keep (negative, naive, both given, no outbox to hold it),
+    or the outbox table predates delayed events; nothing was written."""
+
+
 class EventEncodeError(GPError, ValueError):
     """An event payload cannot be encoded as JSON; nothing was sent."""
 

@@ -49,8 +49,9 @@ METRICS: dict[str, tuple[str, str]] = {
         "gauge",
         "Age of the oldest ready message in a queue, since it became due (0 when none is ready).",
     ),
-    "dramatiq_gp_outbox_pending_events": ("gauge", "Outbox rows not yet relayed."),
-    "dramatiq_gp_outbox_lag_seconds": ("gauge", "Age of the oldest pending outbox row (0 when none)."),
+    "dramatiq_gp_outbox_pending_events": ("gauge", "Outbox rows due and not yet relayed."),
+    "dramatiq_gp_outbox_lag_seconds": ("gauge", "How long the oldest pending outbox row has been due (0 when none)."),
+    "dramatiq_gp_outbox_scheduled_events": ("gauge", "Delayed outbox rows not yet due."),
     "dramatiq_gp_outbox_set_aside_events": ("gauge", "Outbox rows set aside after failing to relay."),
     "dramatiq_gp_scheduler_leader_present": ("gauge", "1 when a scheduler holds the leader lease, else 0."),
     "dramatiq_gp_scheduler_leaderless_seconds": (
@@ -220,6 +221,7 @@ class Exporter:
         status = outbox_status(self.engine)
         _gauge(into, "dramatiq_gp_outbox_pending_events", (), status["pending"])
         _gauge(into, "dramatiq_gp_outbox_lag_seconds", (), status["oldest_pending_age_s"] or 0)
+        _gauge(into, "dramatiq_gp_outbox_scheduled_events", (), status["scheduled"])
         _gauge(into, "dramatiq_gp_outbox_set_aside_events", (), status["set_aside"])
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 from uuid import uuid4
 
@@ -37,7 +38,7 @@ from opentelemetry import trace
 
 from .brokers.base import KitBroker
 from .brokers.kinds import broker_for
-from .errors import BrokerUnreachable, GPError, one_line_at_start_up
+from .errors import BrokerUnreachable, DispatchError, GPError, one_line_at_start_up
 from .middleware import Lifecycle, OutboxRelay, SchedulerLease, default_middleware
 from .middleware.lifecycle import Closer
 from .registry import Registry, default_registry
@@ -161,12 +162,31 @@ class Kit:
         return check
 
     @overload
-    def dispatch(self, event: object, /, *, envelope_id: str | None = None) -> str: ...
+    def dispatch(
+        self,
+        event: object,
+        /,
+        *,
+        envelope_id: str | None = None,
+        delay: timedelta | None = None,
+        at: datetime | None = None,
+    ) -> str: ...
 
     @overload
-    def dispatch(self, target: Session | sa.Connection, event: object, /, *, envelope_id: str | None = None) -> str: ...
+    def dispatch(
+        self,
+        target: Session | sa.Connection,
+        event: object,
+        /,
+        *,
+        envelope_id: str | None = None,
+        delay: timedelta | None = None,
+        at: datetime | None = None,
+    ) -> str: ...
 
-    def dispatch(self, *args: Any, envelope_id: str | None = None) -> str:
+    def dispatch(
+        self, *args: Any, envelope_id: str | None = None, delay: timedelta | None = None, at: datetime | None = None
+    ) -> str:
         """Dispatch an event to its listeners; returns the envelope (event) id.
 
         ``dispatch(session_or_connection, event)`` writes it to the outbox in that
@@ -176,16 +196,25 @@ class Kit:
         before any is sent, then sent as one batch: on Redis in one round trip,
         all or none).
 
+        ``delay=timedelta(...)`` or ``at=datetime`` (aware) holds the event in the
+        outbox until then (see docs/outbox.md, "Delayed and timed events"): it needs
+        the database, never the queue.
+
         Raises:
             EventError: ``event`` is not an event.
             EventEncodeError: its payload cannot be encoded; nothing was written or sent.
+            DispatchError: a bad ``delay``/``at``, or one without a database; nothing was written or sent.
         """
         if len(args) == 2:
-            return _write_outbox(args[0], args[1], envelope_id)
+            return _write_outbox(args[0], args[1], envelope_id, delay, at)
         (event,) = args
         if self.engine is not None:
             with self.engine.begin() as conn:
-                return _write_outbox(conn, event, envelope_id)
+                return _write_outbox(conn, event, envelope_id, delay, at)
+        if delay is not None or at is not None:
+            raise DispatchError(
+                "a delayed dispatch waits in the outbox: it needs a database (DB_URL), or a session to write it in"
+            )
         envelope_id = envelope_id or str(uuid4())
         messages = self.registry.fan_out(event, envelope_id)
         if messages:
@@ -235,45 +264,71 @@ def current_kit() -> Kit:
 
 
 @overload
-def dispatch(event: object, /, *, envelope_id: str | None = None) -> str: ...
+def dispatch(
+    event: object, /, *, envelope_id: str | None = None, delay: timedelta | None = None, at: datetime | None = None
+) -> str: ...
 
 
 @overload
-def dispatch(target: Session | sa.Connection, event: object, /, *, envelope_id: str | None = None) -> str: ...
+def dispatch(
+    target: Session | sa.Connection,
+    event: object,
+    /,
+    *,
+    envelope_id: str | None = None,
+    delay: timedelta | None = None,
+    at: datetime | None = None,
+) -> str: ...
 
 
-def dispatch(*args: Any, envelope_id: str | None = None) -> str:
-    """Dispatch an event (see :meth:`Kit.dispatch`).
+def dispatch(
+    *args: Any, envelope_id: str | None = None, delay: timedelta | None = None, at: datetime | None = None
+) -> str:
+    """Dispatch an event (see :meth:`Kit.dispatch`), at once or, with ``delay``/``at``, once due.
 
     ``dispatch(session_or_connection, event)`` needs no Kit: it only writes the
     outbox row, so a web application can call it with just its events imported.
     ``dispatch(event)`` goes through the last Kit built in this process.
     """
     if len(args) == 2:
-        return _write_outbox(args[0], args[1], envelope_id)
-    return current_kit().dispatch(*args, envelope_id=envelope_id)
+        return _write_outbox(args[0], args[1], envelope_id, delay, at)
+    return current_kit().dispatch(*args, envelope_id=envelope_id, delay=delay, at=at)
 
 
 async def dispatch_async(
-    target: AsyncSession | AsyncConnection, event: object, /, *, envelope_id: str | None = None
+    target: AsyncSession | AsyncConnection,
+    event: object,
+    /,
+    *,
+    envelope_id: str | None = None,
+    delay: timedelta | None = None,
+    at: datetime | None = None,
 ) -> str:
     """``await gp.dispatch_async(session, event)``: :func:`dispatch` into an async SQLAlchemy transaction.
 
     Writes the outbox row in the transaction of ``target`` (an ``AsyncSession`` or
     ``AsyncConnection``, e.g. on ``create_async_engine("postgresql+psycopg://...")``),
     exactly as the sync form does: nothing is sent unless it commits, and the
-    relays are NOTIFYed at commit. Needs no Kit. Returns the event id.
+    relays are NOTIFYed at commit, and ``delay``/``at`` hold it until then. Needs no
+    Kit. Returns the event id.
 
     Raises:
         EventError: ``event`` is not an event.
         EventEncodeError: its payload cannot be encoded; nothing was written.
+        DispatchError: a bad ``delay``/``at``; nothing was written.
     """
     from .outbox import write_async
 
-    return await write_async(target, event, envelope_id=envelope_id)
+    return await write_async(target, event, envelope_id=envelope_id, delay=delay, at=at)
 
 
-def _write_outbox(target: Session | sa.Connection, event: object, envelope_id: str | None) -> str:
+def _write_outbox(
+    target: Session | sa.Connection,
+    event: object,
+    envelope_id: str | None,
+    delay: timedelta | None,
+    at: datetime | None,
+) -> str:
     from .outbox import write
 
-    return write(target, event, envelope_id=envelope_id)
+    return write(target, event, envelope_id=envelope_id, delay=delay, at=at)

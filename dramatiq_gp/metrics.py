@@ -16,8 +16,8 @@ Instrument                          Kind       Attributes
 ``messaging.client.sent.messages``  counter    ``messaging.destination.name``, ``task_type``
 ``dramatiq_gp.outbox.published``    counter    events the relay moved to the queue
 ``dramatiq_gp.outbox.set_aside``    counter    rows set aside as poison
-``dramatiq_gp.outbox.backlog``      gauge      pending rows
-``dramatiq_gp.outbox.oldest_age``   gauge      seconds since the oldest pending row was written
+``dramatiq_gp.outbox.backlog``      gauge      pending rows (delayed ones once due)
+``dramatiq_gp.outbox.oldest_age``   gauge      seconds since the oldest pending row fell due
 ``dramatiq_gp.scheduler.leader``    gauge      1 in the process holding the lease, else 0
 ``dramatiq_gp.scheduler.ticks``     counter    ``entry``, ``outcome`` (``fired``, ``caught_up``,
                                                ``deduplicated``, ``paused``, ``not_durable``)

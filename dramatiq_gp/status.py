@@ -31,12 +31,14 @@ def skipped_status(client: redis.Redis, namespace: str) -> dict[str, int | str]:
 
 
 def outbox_status(engine: Any) -> dict[str, Any]:
-    """Pending rows, the age of the oldest, and rows set aside."""
+    """Due rows not yet relayed, how long the oldest of them has been due, delayed rows not yet due
+    (``scheduled``: no lag), and rows set aside."""
     from .outbox.admin import backlog, set_aside_count
 
-    pending, age = backlog(engine)
+    pending, age, scheduled = backlog(engine)
     return {
         "pending": pending,
         "oldest_pending_age_s": round(age, 3) if age is not None else None,
+        "scheduled": scheduled,
         "set_aside": set_aside_count(engine),
     }

@@ -108,6 +108,7 @@ def test_every_command_explains_itself_with_an_example():
         ["outbox", "failed"],
         ["outbox", "retry"],
         ["outbox", "replay"],
+        ["outbox", "scheduled"],
         ["schedule", "next"],
         ["status"],
         ["dlq", "list"],
@@ -192,6 +193,7 @@ def test_status_prints_one_line_per_scheduler_entry_outbox_and_queue(make_kit, e
     with engine.begin() as conn:
         for n in range(2):
             gp.dispatch(conn, OrderPlaced(n))
+        gp.dispatch(conn, OrderPlaced(2), delay=timedelta(hours=1))  # scheduled: not pending, no lag
     for n in range(2):
         kit.broker.enqueue(Message(queue_name="mail", actor_name="send", args=(n,), kwargs={}, options={}))
     kit.broker.enqueue(Message(queue_name="mail", actor_name="send", args=(9,), kwargs={}, options={}), delay=60_000)
@@ -220,7 +222,7 @@ def test_status_prints_one_line_per_scheduler_entry_outbox_and_queue(make_kit, e
     # Both in the entry's zone: once, next was local and last UTC.
     assert entry == f"  nightly  0 3 * * * (Europe/Budapest)  next {next_fire.isoformat()}  last {last.isoformat()}"
     outbox = next(line for line in lines if line.startswith("outbox: "))
-    assert re.fullmatch(r"outbox: 2 pending \(oldest \d+(\.\d+)? s\), 1 set aside", outbox), outbox
+    assert re.fullmatch(r"outbox: 2 pending \(oldest \d+(\.\d+)? s\), 1 scheduled, 1 set aside", outbox), outbox
     assert [line for line in lines if line.startswith("queue ")] == [
         "queue mail: 2 ready, 0 in flight, 1 delayed, 0 dead"
     ]
@@ -252,7 +254,7 @@ def test_status_names_empty_queues_an_entry_never_fired_an_unknown_zone_and_no_o
     assert [e["last_fired"] for s in report["schedulers"] for e in s["entries"] if e["name"] == "yearly"] == [None]
     (moon,) = [line for line in lines if line.startswith("  moon ")]
     assert "(Mars/Phobos (unknown here: times in UTC))" in moon and "+00:00" in moon
-    assert "outbox: 0 pending, 0 set aside" in lines  # not "oldest None s"
+    assert "outbox: 0 pending, 0 scheduled, 0 set aside" in lines  # not "oldest None s"
 
 
 def test_dlq_list_without_a_queue_lists_every_queues_dead_letters(make_kit, rdb, namespace):
@@ -286,6 +288,24 @@ def test_outbox_failed_json_prints_each_set_aside_event_as_one_object_per_line(m
         assert event["last_error"] == "event type 'test.cli.retired' is unknown here (no class declares it)"
         assert event["payload"]["order_id"] in (7, 8)
         assert datetime.fromisoformat(event["created_at"]) <= datetime.fromisoformat(event["failed_at"])
+
+
+def test_outbox_scheduled_lists_the_delayed_events_not_yet_due_soonest_first(make_kit, engine, database_url):
+    make_kit(env={"DB_URL": database_url})
+    with engine.begin() as conn:
+        later = gp.dispatch(conn, OrderPlaced(1), delay=timedelta(days=2))
+        sooner = gp.dispatch(conn, OrderPlaced(2), at=datetime.now(UTC) + timedelta(hours=1))
+        gp.dispatch(conn, OrderPlaced(3))  # pending: not listed
+        gp.dispatch(conn, OrderPlaced(4), at=datetime.now(UTC) - timedelta(hours=1))  # due: pending
+    result = run("outbox", "scheduled", "--json")
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [e["id"] for e in events] == [sooner, later]
+    assert set(events[0]) == {"id", "event", "created_at", "not_before"}  # never the payload
+    due = datetime.fromisoformat(events[1]["not_before"]) - datetime.fromisoformat(events[1]["created_at"])
+    assert timedelta(days=2) - timedelta(seconds=5) < due < timedelta(days=2) + timedelta(seconds=5)
+    text = run("outbox", "scheduled", "--limit", "1").stdout.splitlines()
+    assert len(text) == 1 and text[0].startswith(f"{sooner}  test.telemetry.order_placed  due=")
 
 
 def test_outbox_retry_by_id_makes_just_that_event_pending_again(make_kit, engine, database_url):

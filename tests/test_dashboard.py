@@ -20,6 +20,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.routing import Mount
 
 import dramatiq_gp as gp
+from apps.app_events import Numbered
 from devtools.asgi import serving
 from dramatiq_gp import keys
 from dramatiq_gp.brokers.kinds import view_for
@@ -867,3 +869,16 @@ def test_each_worker_shows_its_health_a_stale_or_unreadable_record_as_not_alive(
     assert re.sub("<[^>]+>", "", rows["w-stale"]) == "not alive: no report for a while"
     assert re.sub("<[^>]+>", "", rows["w-garbled"]) == "not alive: unreadable health record"
     assert rows["w-old-version"] == "—"
+
+
+def test_the_outbox_page_shows_delayed_events_not_yet_due_apart_from_the_backlog(clean_env, namespace, engine):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    with engine.begin() as conn:
+        gp.dispatch(conn, Numbered(1))
+        gp.dispatch(conn, Numbered(2), delay=timedelta(days=2))
+        gp.dispatch(conn, Numbered(3), delay=timedelta(hours=1))
+    with serving(create_app(engine=engine)) as base:
+        page = Browser(base).open("/outbox")
+    backlog = re.sub(r"<[^>]+>", "", page.body.split('id="backlog"')[1].split("</section>")[0])
+    assert "Pending: 1" in backlog
+    assert "scheduled (delayed, not yet due): 2" in backlog

@@ -35,6 +35,11 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
+def _path(tmp_path: Path) -> str:
+    """The scratch directory, then this checkout: the samples run against the code under test, not an install."""
+    return f"{tmp_path}{os.pathsep}{ROOT}"
+
+
 def _samples(page: Path) -> tuple[dict[str, str], str]:
     files, script = {}, []
     for block in BLOCK.findall(page.read_text()):
@@ -52,7 +57,7 @@ def test_samples_run(page, tmp_path, clean_env, namespace, rdb):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "PYTHONPATH": _path(tmp_path)}
     command = [sys.executable, "-c", script]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -64,7 +69,7 @@ def test_the_readme_sample_dispatches_to_the_mail_queue(tmp_path, clean_env, nam
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "PYTHONPATH": _path(tmp_path)}
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, capture_output=True)
     assert rdb.llen(f"{namespace}:mail") == 1
 
@@ -74,7 +79,7 @@ def test_the_readme_worker_module_sends_nothing_when_a_worker_imports_it(tmp_pat
     files, _ = _samples(ROOT / "README.md")
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "worker.py").write_text(files["app/worker.py"])
-    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "VALKEY_NAMESPACE": namespace, "PYTHONPATH": _path(tmp_path)}
     for _ in range(2):
         subprocess.run([sys.executable, "-c", "import app.worker"], cwd=tmp_path, env=env, check=True)
     assert not [key for key in rdb.scan_iter(f"{namespace}:*") if not key.startswith(f"{namespace}:gp:")]
@@ -153,6 +158,7 @@ def shell_env(tmp_path, clean_env, namespace, empty_database):
     for name, value in {"REDIS_URL": server.url, "VALKEY_NAMESPACE": namespace, "DB_URL": empty_database}.items():
         clean_env.setenv(name, value)
     clean_env.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    clean_env.setenv("PYTHONPATH", str(ROOT))  # the command of this checkout, not of an install
     yield dict(os.environ)
     server.stop()
 

@@ -211,11 +211,13 @@ def test_the_outbox_backlog_its_lag_and_the_events_set_aside_come_from_postgresq
 ):
     table = gp.outbox.OUTBOX_EVENTS
     now = datetime.now(UTC)
-    rows = [  # created how long ago, published, set aside
-        (30, None, None),
-        (5, None, None),
-        (60, now, None),
-        (90, None, now),
+    rows = [  # created how long ago, due in how long (delayed), published, set aside
+        (30, None, None, None),
+        (5, None, None, None),
+        (60, None, now, None),
+        (90, None, None, now),
+        (600, 3600, None, None),  # scheduled: no lag, its own number
+        (500, -10, None, None),  # delayed, due 10 s ago: late since then, not since written
     ]
     with engine.begin() as conn:
         conn.execute(
@@ -226,17 +228,20 @@ def test_the_outbox_backlog_its_lag_and_the_events_set_aside_come_from_postgresq
                     "event": "e",
                     "payload": {},
                     "created_at": now - timedelta(seconds=ago),
+                    "not_before": None if due is None else now + timedelta(seconds=due),
+                    "available_at": now if due is None else now + timedelta(seconds=due),
                     "published_at": published,
                     "failed_at": failed,
                 }
-                for ago, published, failed in rows
+                for ago, due, published, failed in rows
             ],
         )
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     with exporter(DB_URL=database_url) as base:
         scraped = scrape(base)
-    assert value(scraped, "dramatiq_gp_outbox_pending_events") == 2
+    assert value(scraped, "dramatiq_gp_outbox_pending_events") == 3
     assert 30 <= value(scraped, "dramatiq_gp_outbox_lag_seconds") < 60
+    assert value(scraped, "dramatiq_gp_outbox_scheduled_events") == 1
     assert value(scraped, "dramatiq_gp_outbox_set_aside_events") == 1
     assert value(scraped, "dramatiq_gp_exporter_source_up", source="postgresql") == 1
     with engine.begin() as conn:
@@ -245,6 +250,7 @@ def test_the_outbox_backlog_its_lag_and_the_events_set_aside_come_from_postgresq
         scraped = scrape(base)
     assert value(scraped, "dramatiq_gp_outbox_pending_events") == 0
     assert value(scraped, "dramatiq_gp_outbox_lag_seconds") == 0
+    assert value(scraped, "dramatiq_gp_outbox_scheduled_events") == 0
 
 
 def test_without_a_database_there_are_no_outbox_series(clean_env, namespace):

@@ -11,7 +11,7 @@ after commit; message ids written in the handler's transaction, so an effect is 
   :func:`prune_inbox` deletes its expired rows, a batch at a time (the relays do).
 """
 
-from .admin import FailedEvent, failed_events, retry_failed
+from .admin import FailedEvent, ScheduledEvent, failed_events, retry_failed, scheduled_events
 from .inbox import prune as prune_inbox
 from .relay import Relay
 from .table import CHANNEL, INBOX, INBOX_TABLE_NAME, OUTBOX_EVENTS, TABLE_NAME, inbox_table, migrate, outbox_table
@@ -25,12 +25,14 @@ __all__ = [
     "TABLE_NAME",
     "FailedEvent",
     "Relay",
+    "ScheduledEvent",
     "failed_events",
     "inbox_table",
     "migrate",
     "outbox_table",
     "prune_inbox",
     "retry_failed",
+    "scheduled_events",
     "set_notify",
     "write",
     "write_async",

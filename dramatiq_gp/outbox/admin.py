@@ -15,17 +15,29 @@ from .table import OUTBOX_EVENTS
 T = OUTBOX_EVENTS.c
 
 
-def backlog(engine: sa.Engine) -> tuple[int, float | None]:
-    """Rows not yet relayed, and seconds since the oldest of them was written (``None`` without any)."""
+def backlog(engine: sa.Engine) -> tuple[int, float | None, int]:
+    """Due rows not yet relayed, seconds since the oldest of them fell due (``None`` without any), and the
+    delayed rows not yet due.
+
+    A row falls due when written, or at its ``not_before``: a delayed event is late
+    from its time on, not from when it was written, and is no lag before.
+    """
     with engine.connect() as conn:
-        count, oldest = conn.execute(
-            sa.select(sa.func.count(), sa.func.min(T.created_at)).where(T.published_at.is_(None), T.failed_at.is_(None))
+        now: Any = sa.func.now() if conn.dialect.name == "postgresql" else datetime.now(UTC).replace(tzinfo=None)
+        scheduled = T.not_before > now
+        due = sa.or_(T.not_before.is_(None), T.not_before <= now)
+        count, oldest, waiting = conn.execute(
+            sa.select(
+                sa.func.count().filter(due),
+                sa.func.min(sa.func.coalesce(T.not_before, T.created_at)).filter(due),
+                sa.func.count().filter(scheduled),
+            ).where(T.published_at.is_(None), T.failed_at.is_(None))
         ).one()
     if oldest is None:
-        return int(count), None
+        return int(count), None, int(waiting)
     if oldest.tzinfo is None:  # SQLite: naive, in UTC
         oldest = oldest.replace(tzinfo=UTC)
-    return int(count), max((datetime.now(UTC) - oldest).total_seconds(), 0.0)
+    return int(count), max((datetime.now(UTC) - oldest).total_seconds(), 0.0), int(waiting)
 
 
 def set_aside_count(engine: sa.Engine) -> int:
@@ -56,6 +68,29 @@ def failed_events(conn: sa.Connection, *, limit: int = 100) -> list[FailedEvent]
         .limit(limit)
     ).all()
     return [FailedEvent(*row) for row in rows]
+
+
+@dataclass(frozen=True)
+class ScheduledEvent:
+    """A delayed outbox row not yet due."""
+
+    id: uuid.UUID
+    event: str
+    created_at: datetime
+    not_before: datetime
+
+
+def scheduled_events(conn: sa.Connection, *, limit: int = 100) -> list[ScheduledEvent]:
+    """The delayed rows not yet due, soonest first (never their payloads: those are the application's)."""
+    now: Any = sa.func.now() if conn.dialect.name == "postgresql" else datetime.now(UTC).replace(tzinfo=None)
+    rows = conn.execute(
+        sa.select(T.id, T.event, T.created_at, T.not_before)
+        # available_at starts at the due time and only moves later: the range the pending index serves.
+        .where(T.published_at.is_(None), T.failed_at.is_(None), T.available_at > now, T.not_before > now)
+        .order_by(T.available_at)
+        .limit(limit)
+    ).all()
+    return [ScheduledEvent(*row) for row in rows]
 
 
 def retry_failed(conn: sa.Connection, ids: Sequence[uuid.UUID | str] | None = None) -> int:

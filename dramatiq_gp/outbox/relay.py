@@ -27,8 +27,12 @@ relay reads each row's JSON itself, so one such row cannot fail its batch.
 
 Between rounds the relay waits for a NOTIFY (sent by ``dispatch`` at commit) or
 its poll interval, which backs off from ``OUTBOX_POLL_INTERVAL_MIN`` to ``_MAX``
-while there is nothing to do. If PostgreSQL or Redis goes away it logs once,
-backs off and carries on when they return.
+while there is nothing to do, and never past the time the next delayed row falls
+due (read from the table after a round that found nothing due): a delayed event
+is claimed within milliseconds of its time, whatever the poll interval. If
+PostgreSQL or Redis goes away it logs once, backs off and carries on when they
+return. An outbox table ``dramatiq-gp migrate up`` has not yet brought up to
+date is said in one line, and waited for.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from ..settings import OutboxSettings, WorkerSettings, resolve_inbox_retention
 from ..tracecontext import ORIGIN
 from .admin import backlog
 from .inbox import PRUNE_BATCH, prune
-from .table import CHANNEL, INBOX_TABLE_NAME, OUTBOX_EVENTS
+from .table import CHANNEL, INBOX_TABLE_NAME, OUTBOX_EVENTS, outbox_problem
 
 T = OUTBOX_EVENTS.c
 
@@ -131,17 +135,21 @@ class Relay:
         self._listener: psycopg.Connection[Any] | None = None
         self._last_purge = 0.0
         self._next_prune = 0.0
+        #: Whether the table was found as this version needs it; and whether it was found not to be (said once).
+        self._schema_ok = self._outdated = False
+        #: Seconds until the next pending row falls due, as the last round that found none due read it.
+        self._next_due: float | None = None
         #: How long inbox rows are kept (``OUTBOX_INBOX_RETENTION``, resolved by ``Settings.from_env``).
         self.inbox_retention = (
             settings.inbox_retention or resolve_inbox_retention(WorkerSettings(), settings).inbox_retention
         )
         self._published = instruments().outbox_published
         self._backlog: tuple[float, int, float] = (0.0, 0, 0.0)  # read at, pending, oldest age
-        observe("dramatiq_gp.outbox.backlog", "{event}", "Outbox rows not yet relayed", self._observe_backlog)
+        observe("dramatiq_gp.outbox.backlog", "{event}", "Outbox rows due, not yet relayed", self._observe_backlog)
         observe(
             "dramatiq_gp.outbox.oldest_age",
             "s",
-            "Age of the oldest outbox row not yet relayed",
+            "How long the oldest outbox row not yet relayed has been due",
             self._observe_oldest_age,
         )
 
@@ -179,6 +187,7 @@ class Relay:
                     sa.cast(T.trace_context, sa.Text).label("trace_context"),
                     T.attempts,
                     T.created_at,
+                    T.not_before,
                 )
                 .where(T.published_at.is_(None), T.failed_at.is_(None), T.available_at <= now)
                 .order_by(T.available_at)
@@ -186,6 +195,7 @@ class Relay:
                 .with_for_update(skip_locked=True)
             ).all()
             if not rows:
+                self._next_due = self._seconds_to_next_due(conn)
                 return 0
             messages, published, poisoned = [], [], []
             for row in rows:
@@ -206,6 +216,19 @@ class Relay:
         if published:
             self._published.add(len(published))
         return len(rows)
+
+    def _seconds_to_next_due(self, conn: sa.Connection) -> float | None:
+        """Seconds until the earliest pending row's ``available_at``, on the database's clock; ``None`` without one.
+
+        The smallest key of the pending index: one index probe, however many rows wait.
+        """
+        earliest = sa.select(sa.func.min(T.available_at)).where(T.published_at.is_(None), T.failed_at.is_(None))
+        if self._postgres:
+            seconds = sa.func.extract("epoch", earliest.scalar_subquery() - sa.func.statement_timestamp())
+            value = conn.execute(sa.select(seconds)).scalar_one()
+            return None if value is None else float(value)
+        due: datetime | None = conn.execute(earliest).scalar_one()
+        return None if due is None else (due.replace(tzinfo=None) - _utcnow()).total_seconds()
 
     def _among(self, ids: list[Any]) -> sa.ColumnElement[bool]:
         """``id`` is one of ``ids``: on PostgreSQL one array parameter, not a placeholder per id to expand and parse."""
@@ -247,8 +270,10 @@ class Relay:
         except PayloadMismatch as exc:
             raise PoisonEvent(str(exc)) from None
         event_id = str(row.id)
-        # ``at``: a listener retired after the event was written still gets it (see subscriptions).
-        written = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
+        # ``at``: a listener retired after the event was written still gets it (see subscriptions). A
+        # delayed event is written when due: it fans out to whoever listens then, as if dispatched then.
+        written = row.not_before or row.created_at
+        written = written if written.tzinfo else written.replace(tzinfo=UTC)
         envelope: dict[str, Any] = {
             "id": event_id,
             "event": row.event,
@@ -271,8 +296,8 @@ class Relay:
         return message
 
     def backlog(self) -> tuple[int, float]:
-        """Pending rows, and seconds since the oldest of them was written."""
-        count, age = backlog(self.engine)
+        """Due rows not yet relayed, and seconds since the oldest of them fell due (delayed rows not yet due: none)."""
+        count, age, _scheduled = backlog(self.engine)
         return count, age or 0.0
 
     def _observe_backlog(self) -> list[Observation]:
@@ -285,8 +310,9 @@ class Relay:
 
     def _read_backlog(self) -> tuple[int, float] | None:
         # Only while the relay runs: once stopped, its engine may be disposed, and a
-        # collection must not open a new pool on it that nothing would close.
-        if self._thread is None or self._stopping.is_set():
+        # collection must not open a new pool on it that nothing would close. Nor on a
+        # table without the columns it reads: the relay has said so, once.
+        if self._thread is None or self._stopping.is_set() or self._outdated:
             return None
         # Both gauges are read in one collection: one query serves them.
         read_at, count, age = self._backlog
@@ -346,6 +372,9 @@ class Relay:
         outage_backoff, failing = 0.0, False
         while not self._stopping.is_set():
             try:
+                if not self._schema_ok and not self._check_schema():
+                    self._stopping.wait(MAX_OUTAGE_BACKOFF_S)
+                    continue
                 self._ensure_listening()
                 handled = self.relay_once()
                 if time.monotonic() - self._last_purge > PURGE_INTERVAL_S and self.settings.retention:
@@ -372,9 +401,24 @@ class Relay:
             if handled:
                 interval = poll_min  # there may be more; look again at once
                 continue
-            self._wait(interval)
+            # A due row found none claimable is another relay's: no early wake for it.
+            due = self._next_due
+            self._wait(interval if due is None or due <= 0 else min(interval, due))
             interval = min(interval * 2, poll_max)
         self.close()  # its LISTEN connection: this thread's, and left open it is only closed when collected
+
+    def _check_schema(self) -> bool:
+        """Whether the outbox table is as this version needs it; says what is not once, until it is."""
+        with self.engine.connect() as conn:
+            problem = outbox_problem(conn)
+        if problem is None:
+            if self._outdated:
+                self.logger.info("outbox table migrated, relaying")
+            self._schema_ok, self._outdated = True, False
+        elif not self._outdated:
+            self.logger.error("outbox relay waiting: %s", problem)
+            self._outdated = True
+        return self._schema_ok
 
     def _ensure_listening(self) -> None:
         if self._listener is not None or not (self.settings.notify and self._postgres):
