@@ -601,6 +601,9 @@ class SchedulerSettings(BaseSettings):
     claim_replicas: int | None = Field(default=None, ge=0)
     #: How long a claim waits for them; past it, the tick is kept and sent once they have it.
     claim_timeout: Duration = Field(default=timedelta(seconds=1), ge=timedelta(milliseconds=10))
+    #: How long the lease of a running ``overlap=`` job outlives its last renewal (it renews every
+    #: third of it): a crashed run (``kill -9``) holds the entry at most this long.
+    overlap_lease: Duration = Field(default=timedelta(seconds=30), ge=timedelta(seconds=1))
 
     @model_validator(mode="after")
     def _lease_bounds(self) -> SchedulerSettings:

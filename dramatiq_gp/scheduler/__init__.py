@@ -12,6 +12,16 @@
 from .cron import CronError
 from .lease import Lease
 from .runner import Runner
-from .schedule import Entry, Schedule, ScheduleError, default_schedule, job
+from .schedule import OVERLAP_OPTION, Entry, Schedule, ScheduleError, default_schedule, job
 
-__all__ = ["CronError", "Entry", "Lease", "Runner", "Schedule", "ScheduleError", "default_schedule", "job"]
+__all__ = [
+    "OVERLAP_OPTION",
+    "CronError",
+    "Entry",
+    "Lease",
+    "Runner",
+    "Schedule",
+    "ScheduleError",
+    "default_schedule",
+    "job",
+]
