@@ -207,6 +207,7 @@ def _firing() -> dict[str, str]:
     return {"entry": "test.report", "scheduled_at": datetime.now(UTC).isoformat()}
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_run_enqueued_by_anyone_honours_the_entrys_overlap_and_a_free_entry_runs(
     make_kit, start_worker, rdb, namespace, caplog
 ):
@@ -251,6 +252,7 @@ def test_the_message_carries_the_option_to_any_actor_and_waits_for_the_entry(
     assert any(m.startswith("run waiting: tenant-7.digest") for m in messages_of(caplog, "dramatiq_gp.middleware"))
 
 
+@pytest.mark.usefixtures("broker")
 def test_a_failed_run_frees_the_entry_so_its_retry_runs_and_a_crashed_runs_own_copy_takes_its_lease(
     make_kit, start_worker, rdb, namespace
 ):
@@ -279,6 +281,30 @@ def test_a_failed_run_frees_the_entry_so_its_retry_runs_and_a_crashed_runs_own_c
     kit.broker.enqueue(message)
     wait_for(lambda: len(attempts) == 3, timeout=5)
     wait_for(lambda: not rdb.exists(running))
+
+
+def test_a_waiting_run_goes_back_to_its_queue_when_the_worker_stops(make_kit, start_worker, rdb, namespace, caplog):
+    runs: list[str] = []
+
+    def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
+        schedule.job("test.queued", "@yearly", lambda: runs.append("ran"), overlap="wait")
+
+    kit = make_kit(register)
+    worker = start_worker(kit)
+    running = SchedulerKeys(namespace).running("test.queued")
+    rdb.set(running, "another-run", px=60_000)
+    caplog.set_level(logging.INFO)
+    kit.broker.actors["job:test.queued"].send(_firing())
+    wait_for(lambda: any(m.startswith("run waiting: test.queued") for m in messages_of(caplog, "dramatiq_gp")))
+    stopping = time.monotonic()
+    worker.stop(10_000)
+    assert time.monotonic() - stopping < 3  # the wait did not hold the drain to its timeout
+    assert runs == []
+    assert any(m.startswith("run put back: the worker is stopping") for m in messages_of(caplog, "dramatiq_gp"))
+    # Back on its queue, due in a second: the next worker runs it once the entry is free.
+    rdb.delete(running)
+    start_worker(make_kit(register))
+    wait_for(lambda: runs == ["ran"], timeout=10)
 
 
 @pytest.mark.parametrize(
