@@ -9,7 +9,8 @@ hold the entry for good) and cost nothing to the messages that do not ask for it
   (``{"key": <entry>, "mode": "skip" | "wait"}``; :meth:`Schedule.job`'s
   ``overlap=`` puts it on the entry's actor and on every tick): a run enqueued by
   anyone else (an operator's "run now", a backfill, an entry created at run time)
-  honours it too. A message without it costs two dictionary look-ups;
+  honours it too. A message without it costs a look-up in its options, and one in
+  its actor's once an actor carries the option;
 * before the run, one Lua call takes the entry's lease,
   ``<scheduler namespace>:scheduler:running:<entry>``, set to the message id with
   a TTL (``SCHEDULER_OVERLAP_LEASE``); one thread per process renews the leases of
@@ -45,7 +46,7 @@ import time
 from typing import Any
 
 import redis
-from dramatiq import Broker, Middleware, Worker
+from dramatiq import Actor, Broker, Middleware, Worker
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
@@ -87,10 +88,16 @@ class OverlapGuard(Middleware):
         self._stopping = threading.Event()  # waits end
         self._stop = threading.Event()  # renewals end, after the drain
         self._renewer: threading.Thread | None = None
+        # Whether any actor carries the option: until one does, a message without it costs one look-up.
+        self._guarded_actors = False
 
     @property
     def actor_options(self) -> set[str]:
         return {OVERLAP_OPTION}
+
+    def after_declare_actor(self, broker: Broker, actor: Actor[Any, Any]) -> None:
+        if OVERLAP_OPTION in actor.options:
+            self._guarded_actors = True
 
     @one_line_at_start_up
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
@@ -119,6 +126,8 @@ class OverlapGuard(Middleware):
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         guard = message.options.get(OVERLAP_OPTION)
         if guard is None:
+            if not self._guarded_actors:
+                return
             actor = broker.actors.get(message.actor_name)
             guard = actor.options.get(OVERLAP_OPTION) if actor is not None else None
             if guard is None:
