@@ -105,7 +105,6 @@ class OverlapGuard(Middleware):
 
     def bind(self, broker: KitBroker) -> None:
         """Keep the leases on ``broker``'s Redis, under the scheduler's namespace."""
-        self._broker = broker
         self.keys = SchedulerKeys(self.namespace or broker.namespace)
         self._acquire = broker.client.register_script(_SCRIPTS["acquire"])
         self._renew = broker.client.register_script(_SCRIPTS["renew"])
