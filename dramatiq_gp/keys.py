@@ -245,3 +245,7 @@ class SchedulerKeys:
     def tick(self, entry: str, tick_ms: int) -> str:
         """The claim of one tick of one entry."""
         return f"{self.prefix}:tick:{entry}:{tick_ms}"
+
+    def running(self, entry: str) -> str:
+        """The message id of the run of ``entry`` in progress, with a lease it renews (``overlap=`` entries)."""
+        return f"{self.prefix}:running:{entry}"

@@ -21,6 +21,8 @@ Instrument                          Kind       Attributes
 ``dramatiq_gp.scheduler.leader``    gauge      1 in the process holding the lease, else 0
 ``dramatiq_gp.scheduler.ticks``     counter    ``entry``, ``outcome`` (``fired``, ``caught_up``,
                                                ``deduplicated``, ``paused``, ``not_durable``)
+``dramatiq_gp.scheduler.overlaps``  counter    ``entry``, ``outcome`` (``skipped``, ``waited``): runs
+                                               of an ``overlap=`` job that found the previous one running
 ==================================  =========  ================================================
 """
 
@@ -47,6 +49,7 @@ class Instruments:
     outbox_published: Counter
     outbox_set_aside: Counter
     scheduler_ticks: Counter
+    scheduler_overlaps: Counter
 
 
 _lock = threading.Lock()
@@ -91,6 +94,11 @@ def instruments() -> Instruments:
                     ),
                     scheduler_ticks=m.create_counter(
                         "dramatiq_gp.scheduler.ticks", unit="{tick}", description="Schedule ticks, by outcome"
+                    ),
+                    scheduler_overlaps=m.create_counter(
+                        "dramatiq_gp.scheduler.overlaps",
+                        unit="{run}",
+                        description="Job runs that found the entry's previous run still running, by outcome",
                     ),
                 )
     return _instruments

@@ -604,6 +604,9 @@ class SchedulerSettings(BaseSettings):
     #: Take part in the election with an empty code schedule, to fire the entries stored at
     #: run time (``kit.schedules``); a worker with code entries fires those in any case.
     dynamic: bool = False
+    #: How long the lease of a running ``overlap=`` job outlives its last renewal (it renews every
+    #: third of it): a crashed run (``kill -9``) holds the entry at most this long.
+    overlap_lease: Duration = Field(default=timedelta(seconds=30), ge=timedelta(seconds=1))
 
     @model_validator(mode="after")
     def _lease_bounds(self) -> SchedulerSettings:

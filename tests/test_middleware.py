@@ -125,12 +125,13 @@ def test_the_middleware_that_need_nothing_of_the_kit_work_on_dramatiqs_own_broke
     "make_middleware",
     [
         lambda engine: gp.IdempotentExecution(),
+        lambda engine: gp.OverlapGuard(),
         lambda engine: gp.Retries(),
         lambda engine: gp.OutboxRelay(engine),
         lambda engine: gp.SchedulerLease(gp.Schedule().job("nightly", "@daily", lambda: None)),
         lambda engine: gp.QueueWeights({"default": 3}, strict=True),
     ],
-    ids=["IdempotentExecution", "Retries", "OutboxRelay", "SchedulerLease", "QueueWeights-strict"],
+    ids=["IdempotentExecution", "OverlapGuard", "Retries", "OutboxRelay", "SchedulerLease", "QueueWeights-strict"],
 )
 def test_a_middleware_that_needs_the_kits_broker_refuses_another_in_one_line_at_worker_boot(
     plain_broker, make_middleware
@@ -213,6 +214,7 @@ def test_default_middleware_is_the_kits_list_in_the_kits_order(clean_env, make_k
         "AsyncIO",
         "Lifecycle",
         "IdempotentExecution",
+        "OverlapGuard",
         "Listeners",
         "TaskLog",
         "RecentFailures",

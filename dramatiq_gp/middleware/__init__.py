@@ -2,7 +2,7 @@
 
 Each works in a broker's middleware list on its own, and says in its docstring
 which hooks it uses and what it needs. Those that rely on the kit's Redis
-protocol (:class:`IdempotentExecution`, :class:`Retries`, :class:`OutboxRelay`,
+protocol (:class:`IdempotentExecution`, :class:`OverlapGuard`, :class:`Retries`, :class:`OutboxRelay`,
 :class:`SchedulerLease`, :class:`RecentFailures`, strict :class:`QueueWeights`) refuse any broker but
 the kit's (:class:`dramatiq_gp.RedisBroker`, :class:`dramatiq_gp.RabbitmqBroker`) when the worker boots,
 in one line naming both.
@@ -33,6 +33,7 @@ from .lifecycle import Lifecycle
 from .listeners import Listeners
 from .metrics import Metrics
 from .outbox_relay import OutboxRelay
+from .overlap import OverlapGuard, OverlapUnavailable
 from .panic import PanicRecovery
 from .queue_weights import QueueWeights, WeightedQueue
 from .retries import Retries
@@ -52,6 +53,8 @@ __all__ = [
     "Listeners",
     "Metrics",
     "OutboxRelay",
+    "OverlapGuard",
+    "OverlapUnavailable",
     "PanicRecovery",
     "QueueWeights",
     "RecentFailures",
@@ -80,8 +83,11 @@ def default_middleware(
     ``after_worker_boot`` started. The producers come next, so they stop before in-flight tasks drain;
     then the lifecycle, which sees every message first and last; tracing and
     Sentry, so every message, a skipped duplicate too, gets a span and a scope, and
-    a retry is sent from inside its span; the task log, metrics and Sentry read
-    ``Retries``' verdict, which comes last. :class:`AsyncIO` (the event-loop
+    a retry is sent from inside its span; :class:`OverlapGuard` comes after
+    :class:`IdempotentExecution` (a duplicate is settled there, never waits) and
+    before the task log and ``TimeLimit`` (a wait is in neither the logged duration
+    nor the time limit); the task log, metrics and Sentry read ``Retries``'
+    verdict, which comes last. :class:`AsyncIO` (the event-loop
     thread ``async def`` listeners and jobs run on) comes just before the
     lifecycle, so its loop stops only after the drain. Dramatiq's own ``AgeLimit``,
     ``TimeLimit``, ``ShutdownNotifications``, ``Callbacks`` and ``Pipelines`` are
@@ -141,6 +147,7 @@ def default_middleware(
         *([Metrics()] if telemetry.metrics else []),
         *([QueueWeights(worker.queues, strict=worker.strict_priority)] if worker.queues else []),
         IdempotentExecution(retention_ms=_ms(worker.dedup_retention)),
+        OverlapGuard(lease_ms=_ms(settings.scheduler.overlap_lease), namespace=settings.scheduler.namespace),
         Listeners(registry, retirement=worker.listener_retirement),
         TaskLog(),
         RecentFailures(),

@@ -14,9 +14,10 @@ from .cron import CronError
 from .dynamic import Schedules, StoredEntry
 from .lease import Lease
 from .runner import Runner
-from .schedule import Entry, Schedule, ScheduleError, default_schedule, job
+from .schedule import OVERLAP_OPTION, Entry, Schedule, ScheduleError, default_schedule, job
 
 __all__ = [
+    "OVERLAP_OPTION",
     "CronError",
     "Entry",
     "Lease",

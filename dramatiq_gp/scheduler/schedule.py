@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, TypeAlias, overload
+from typing import Any, Literal, TypeAlias, overload
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from apscheduler.triggers.base import BaseTrigger
@@ -39,6 +39,12 @@ _HH_MM = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 JobHandler = Callable[..., object]
 #: When an entry fires: a cron spec (five fields, a descriptor, ``@every``) or an APScheduler trigger.
 When: TypeAlias = str | BaseTrigger
+#: What a job's run does while the entry's previous run is still running (``overlap=``).
+Overlap: TypeAlias = Literal["allow", "skip", "wait"]
+OVERLAPS = ("allow", "skip", "wait")
+#: The message option that carries ``overlap=``: ``{"key": <entry>, "mode": "skip" | "wait"}``. The
+#: message carries it, not only the actor, so every run of the entry honours it, whoever enqueued it.
+OVERLAP_OPTION = "gp_overlap"
 
 
 class ScheduleError(GPError, ValueError):
@@ -73,6 +79,12 @@ class Entry:
     actor: str | None = None
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] | None = None
+
+    @property
+    def overlap(self) -> Overlap:
+        """What a run does while the previous one is still running (``overlap=`` of :meth:`Schedule.job`)."""
+        guard = self.options.get(OVERLAP_OPTION)
+        return guard["mode"] if guard else "allow"
 
     @property
     def actor_name(self) -> str:
@@ -139,12 +151,28 @@ class Schedule:
 
     @overload
     def job(
-        self, name: str, spec: When, handler: JobHandler, *, tz: str | None = None, inbox: Any = None, **options: Any
+        self,
+        name: str,
+        spec: When,
+        handler: JobHandler,
+        *,
+        tz: str | None = None,
+        inbox: Any = None,
+        overlap: Overlap = "allow",
+        **options: Any,
     ) -> Schedule: ...
 
     @overload
     def job(
-        self, name: str, spec: When, handler: None = None, *, tz: str | None = None, inbox: Any = None, **options: Any
+        self,
+        name: str,
+        spec: When,
+        handler: None = None,
+        *,
+        tz: str | None = None,
+        inbox: Any = None,
+        overlap: Overlap = "allow",
+        **options: Any,
     ) -> Callable[[JobHandler], JobHandler]: ...
 
     @one_line_at_start_up
@@ -156,6 +184,7 @@ class Schedule:
         *,
         tz: str | None = None,
         inbox: Any = None,
+        overlap: Overlap = "allow",
         **options: Any,
     ) -> Schedule | Callable[[JobHandler], JobHandler]:
         """Run ``handler`` (task ``job:<name>``) whenever ``spec`` fires; without a handler, a decorator.
@@ -169,11 +198,17 @@ class Schedule:
         or ``sessionmaker``) the handler also takes, last, the inbox transaction of
         the firing: what it writes there is applied once per tick (see
         :func:`dramatiq_gp.inbox`).
+
+        ``overlap=`` says what a run does while the entry's previous run is still
+        running, in any worker process: ``"allow"`` (the default) runs it anyway,
+        ``"skip"`` drops it (logged and counted), ``"wait"`` holds its worker thread
+        until the previous run ends. It needs :class:`~dramatiq_gp.OverlapGuard` in
+        the broker's middleware (the Kit's list has it); see ``docs/scheduling.md``.
         """
         if handler is None:
 
             def decorate(fn: JobHandler) -> JobHandler:
-                self.job(name, spec, fn, tz=tz, inbox=inbox, **options)
+                self.job(name, spec, fn, tz=tz, inbox=inbox, overlap=overlap, **options)
                 return fn
 
             return decorate
@@ -185,6 +220,14 @@ class Schedule:
             except GPError as exc:
                 raise ScheduleError(str(exc)) from None
         takes_time = _job_shape(name, handler, with_inbox=inbox is not None)
+        if OVERLAP_OPTION in options:
+            raise ScheduleError(f"schedule entry {name!r}: give overlap=, not {OVERLAP_OPTION}=")
+        if overlap not in OVERLAPS:
+            raise ScheduleError(
+                f"schedule entry {name!r}: overlap={overlap!r} is not one of {', '.join(map(repr, OVERLAPS))}"
+            )
+        if overlap != "allow":
+            options = {**options, OVERLAP_OPTION: {"key": name, "mode": overlap}}
         common = self._common(name, spec, tz, options)
         self._add(Entry(name=name, handler=handler, takes_time=takes_time, inbox=inbox, **common))
         return self
@@ -208,8 +251,7 @@ class Schedule:
         """
         self._known_options = known
         for entry in self._entries.values():
-            if unknown := set(entry.options) - known:
-                raise ScheduleError(f"schedule entry {entry.name!r}: unknown option(s) {', '.join(sorted(unknown))}")
+            _check_known(entry.name, entry.options, known)
 
     def include(self, other: Schedule) -> None:
         """Add ``other``'s entries (the module-level ``@dramatiq_gp.job`` ones, say) to this schedule.
@@ -236,6 +278,10 @@ class Schedule:
         if isinstance(event, type):
             raise ScheduleError(f"schedule entry {name or kind.name!r}: give an event instance, not the class")
         name = name or kind.name
+        if "overlap" in options or OVERLAP_OPTION in options:
+            raise ScheduleError(
+                f"schedule entry {name!r}: overlap= is for jobs: an event's listeners run as tasks of their own"
+            )
         try:
             payload = kind.encode(event)
         except EventEncodeError as exc:
@@ -260,8 +306,8 @@ class Schedule:
         queue = options.pop("queue", "default")
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
             raise ScheduleError(f"schedule entry {name!r}: {queue!r} is not a queue name")
-        if self._known_options is not None and (unknown := set(options) - self._known_options):
-            raise ScheduleError(f"schedule entry {name!r}: unknown option(s) {', '.join(sorted(unknown))}")
+        if self._known_options is not None:
+            _check_known(name, options, self._known_options)
         try:
             json.dumps(options)
         except TypeError as exc:
@@ -273,6 +319,16 @@ class Schedule:
         if entry.name in self._entries:
             raise ScheduleError(f"schedule entry {entry.name!r} is defined twice; give one of them another name=")
         self._entries[entry.name] = entry
+
+
+def _check_known(name: str, options: Mapping[str, Any], known: set[str]) -> None:
+    if OVERLAP_OPTION in options and OVERLAP_OPTION not in known:
+        mode = options[OVERLAP_OPTION]["mode"]
+        raise ScheduleError(
+            f"schedule entry {name!r}: overlap={mode!r} needs dramatiq_gp.OverlapGuard in the broker's middleware"
+        )
+    if unknown := set(options) - known:
+        raise ScheduleError(f"schedule entry {name!r}: unknown option(s) {', '.join(sorted(unknown))}")
 
 
 def _zone(name: str, where: str) -> ZoneInfo:
@@ -327,14 +383,15 @@ def job(
     trigger: BaseTrigger | None = None,
     tz: str | None = None,
     inbox: Any = None,
+    overlap: Overlap = "allow",
     **options: Any,
 ) -> Callable[[JobHandler], JobHandler]:
     """Decorator: run the function as the job ``name`` (task ``job:<name>``) on a schedule.
 
     Give one of ``cron`` (a cron spec, ``@daily``, ``@every 90s``...), ``every``
     (``"5m"`` or a ``timedelta``) or ``trigger`` (any APScheduler trigger, such as
-    ``IntervalTrigger(minutes=5, start_date=...)``). Options (``inbox=`` too) as for :meth:`Schedule.job`. The entry
-    joins :data:`default_schedule`, which every worker's Kit or
+    ``IntervalTrigger(minutes=5, start_date=...)``). Options (``inbox=``, ``overlap=`` too)
+    as for :meth:`Schedule.job`. The entry joins :data:`default_schedule`, which every worker's Kit or
     :class:`~dramatiq_gp.SchedulerLease` fires::
 
         @dramatiq_gp.job("reports.nightly", cron="0 3 * * *", queue="reports")
@@ -355,7 +412,7 @@ def job(
         spec = cron if cron is not None else trigger
 
     def decorate(handler: JobHandler) -> JobHandler:
-        default_schedule.job(name, spec, handler, tz=tz, inbox=inbox, **options)
+        default_schedule.job(name, spec, handler, tz=tz, inbox=inbox, overlap=overlap, **options)
         return handler
 
     return decorate
