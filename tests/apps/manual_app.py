@@ -1,7 +1,8 @@
 """A worker app for the run-now and backfill tests: an ``@every 1s`` job and an hourly event, each run recorded.
 
 Run as ``dramatiq tests.apps.manual_app`` with ``REDIS_URL`` (``BROKER_URL`` for RabbitMQ)
-and ``VALKEY_NAMESPACE``. Each run appends one JSON object to ``<namespace>:test:runs``:
+and ``VALKEY_NAMESPACE``, and ``GP_TEST_QUEUE``, the queue of every message (RabbitMQ's queues
+have no namespace: one of the test's own keeps other tests' workers off it). Each run appends one JSON object to ``<namespace>:test:runs``:
 ``entry``, ``scheduled_at`` (what the handler was handed), ``message_id`` (the job's as
 ``gp.inbox()`` would key it, the event's envelope id) and ``pid``.
 """
@@ -20,6 +21,7 @@ from dramatiq_gp.exactly_once import current_message
 
 namespace = os.environ["VALKEY_NAMESPACE"]
 ledger = redis.Redis.from_url(os.environ["REDIS_URL"])
+queue = os.environ["GP_TEST_QUEUE"]
 
 
 @gp.event("test.manual.report")
@@ -46,9 +48,9 @@ def report(event: Report) -> None:
 
 
 def register(registry: gp.Registry, schedule: gp.Schedule) -> None:
-    registry.listen(Report, report, name="record")
-    schedule.job("test.every", "@every 1s", every)
-    schedule.cron("0 * * * *", Report("sales"), name="test.report")
+    registry.listen(Report, report, name="record", queue=queue)
+    schedule.job("test.every", "@every 1s", every, queue=queue)
+    schedule.cron("0 * * * *", Report("sales"), name="test.report", queue=queue)
 
 
 kit = gp.Kit(register, registry=gp.Registry()).with_closer("ledger", ledger.close)
