@@ -17,6 +17,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from click.testing import CliRunner, Result
+from test_dashboard import Browser
 
 from apps.replica import Replica
 from devtools.asgi import serving
@@ -28,7 +29,6 @@ from dramatiq_gp.names import tick_message_id
 from dramatiq_gp.scheduler import manual
 from dramatiq_gp.settings import Settings
 from helpers import wait_for
-from test_dashboard import Browser
 
 EVERY, REPORT = "test.every", "test.report"
 RUN_LINE = re.compile(r"^entry (\S+) run now: message (\S+) enqueued on queue (\S+)$", re.M)

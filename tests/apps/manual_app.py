@@ -1,10 +1,11 @@
 """A worker app for the run-now and backfill tests: an ``@every 1s`` job and an hourly event, each run recorded.
 
-Run as ``dramatiq tests.apps.manual_app`` with ``REDIS_URL`` (``BROKER_URL`` for RabbitMQ)
-and ``VALKEY_NAMESPACE``, and ``GP_TEST_QUEUE``, the queue of every message (RabbitMQ's queues
-have no namespace: one of the test's own keeps other tests' workers off it). Each run appends one JSON object to ``<namespace>:test:runs``:
-``entry``, ``scheduled_at`` (what the handler was handed), ``message_id`` (the job's as
-``gp.inbox()`` would key it, the event's envelope id) and ``pid``.
+Run as ``dramatiq tests.apps.manual_app`` with ``REDIS_URL`` (``BROKER_URL`` for RabbitMQ),
+``VALKEY_NAMESPACE`` and ``GP_TEST_QUEUE``, the queue of every message (RabbitMQ's queues
+have no namespace: one of the test's own keeps other tests' workers off it). Each run
+appends one JSON object to ``<namespace>:test:runs``: ``entry``, ``scheduled_at`` (what
+the handler was handed), ``message_id`` (the job's as ``gp.inbox()`` would key it, the
+event's envelope id) and ``pid``.
 """
 
 from __future__ import annotations
