@@ -1,7 +1,8 @@
 """What an operator can do to a running system, from ``dramatiq-gp`` or the dashboard.
 
 Requeue or purge dead letters, replay a set-aside outbox event, send a new listener
-the events committed before it was live, pause or resume a schedule entry, store or remove one at run time. Each
+the events committed before it was live, pause or resume a schedule entry, run one
+now or backfill the ticks of a past window, store or remove one at run time. Each
 action is logged on ``dramatiq_gp.actions`` at INFO with who did it and where from
 (``root (cli)``, ``alice (dashboard, 10.0.0.7)``), so the log says who changed
 what, whichever way it was done.
@@ -14,7 +15,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from dramatiq import Message
@@ -22,6 +23,7 @@ from dramatiq import Message
 from . import keys
 from .brokers.base import KitBroker
 from .brokers.view import QueueView
+from .scheduler import manual
 from .scheduler.dynamic import Schedules, StoredEntry
 
 #: Events sent per round trip by :func:`backfill_listener`.
@@ -170,3 +172,64 @@ def resume_entry(client: redis.Redis, scheduler: keys.SchedulerKeys, entry: str,
         return False
     _done("schedule resume", who, f"entry {entry} resumed")
     return True
+
+
+class Run(NamedTuple):
+    """A run of a schedule entry asked for by hand: its message id, its queue, and whether the entry is paused."""
+
+    message_id: str
+    queue: str
+    paused: bool
+
+
+def run_entry(broker: KitBroker, scheduler: keys.SchedulerKeys, entry: str, *, who: str) -> Run | None:
+    """Enqueue one run of schedule entry ``entry`` now, with an id of its own; ``None`` if no such entry.
+
+    A paused entry runs all the same (it was asked for by name); its ticks go on being passed over.
+
+    Raises:
+        ScheduleError: the entry's template cannot be had (its workers predate it, or it is unreadable).
+    """
+    template = manual.template(broker.client, scheduler, entry)
+    if template is None:
+        return None
+    message = manual.run_message(template)
+    broker.enqueue(message)
+    paused = manual.is_paused(broker.client, scheduler, entry)
+    note = " (paused: run all the same)" if paused else ""
+    _done("schedule run", who, f"entry {entry} run now as message {message.message_id}{note}")
+    return Run(message.message_id, template.queue, paused)
+
+
+def backfill_entry(
+    broker: KitBroker,
+    scheduler: keys.SchedulerKeys,
+    template: manual.Template,
+    ticks: Sequence[datetime],
+    *,
+    keep_ms: int,
+    who: str,
+) -> tuple[int, int]:
+    """Enqueue the ``ticks`` of ``template``'s entry, each under its tick's message id, unless claimed already.
+
+    Each is claimed first on the leader's own claim key, so a tick the leader, another
+    backfill or a repeat of this one enqueues is not enqueued again; a claim is kept
+    ``keep_ms`` once its message is sent, and given up if the send fails. Returns how
+    many were enqueued, and how many were claimed by someone else meanwhile.
+    """
+    name, client = template.name, broker.client
+    token = f"backfill/{uuid.uuid4()}"
+    claimed = manual.claim_ticks(client, scheduler, name, ticks, token)
+    mine = [tick for tick, ours in zip(ticks, claimed, strict=True) if ours]
+    try:
+        if mine:
+            broker.enqueue_many([manual.tick_message(template, tick) for tick in mine])
+    except BaseException:
+        manual.settle_claims(client, scheduler, name, mine, token, 0)
+        raise
+    manual.settle_claims(client, scheduler, name, mine, token, keep_ms)
+    taken = len(ticks) - len(mine)
+    window = f"from {ticks[0].isoformat()} to {ticks[-1].isoformat()}" if ticks else "(no tick)"
+    meanwhile = f", {taken} claimed meanwhile" if taken else ""
+    _done("schedule backfill", who, f"{len(mine)} tick(s) of entry {name} {window} enqueued{meanwhile}")
+    return len(mine), taken

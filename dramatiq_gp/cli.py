@@ -24,8 +24,10 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import click
 import redis
+from dramatiq.errors import BrokerError
 
 from . import keys
+from .durations import format_duration
 from .errors import ConfigError
 from .records import text
 from .scheduler.cron import CronError, parse
@@ -495,7 +497,7 @@ def dlq_purge(queue: str, yes: bool) -> None:
 
 @main.group()
 def schedule() -> None:
-    """Preview the schedule.
+    """Preview the schedule, pause and resume its entries, run one now or backfill a past window.
 
     \b
     Example:
@@ -737,6 +739,129 @@ def schedule_resume(entry: str) -> None:
     if not resume_entry(client, scheduler, entry, who=_who()):
         _fail(f"schedule entry {entry!r} is not paused")
     click.echo(f"entry {entry} resumed: it fires from its next tick")
+
+
+@schedule.command("run")
+@click.argument("entry")
+def schedule_run(entry: str) -> None:
+    """Run an entry once, now, besides its ticks: one message with an id of its own.
+
+    Its scheduled time is now, and its firing is marked as run by hand ("manual":
+    true). A paused entry runs all the same: it was asked for by name.
+
+    \b
+    Example:
+      dramatiq-gp schedule run shop.nightly_sales_report
+    """
+    from .actions import run_entry
+    from .scheduler.schedule import ScheduleError
+
+    settings = _settings()
+    client, scheduler = _redis(settings), _scheduler_keys(settings)
+    with _sending_broker(settings, client) as broker:
+        try:
+            run = run_entry(broker, scheduler, entry, who=_who())
+        except ScheduleError as exc:
+            _fail(str(exc))
+            raise
+        except (redis.RedisError, BrokerError) as exc:
+            _fail(f"entry {entry} not run: the message could not be enqueued: {exc}")
+            raise
+    if run is None:
+        _fail(f"no schedule entry {entry!r} in scheduler {scheduler.namespace} (`dramatiq-gp status` lists them)")
+        return
+    click.echo(f"entry {entry} run now: message {run.message_id} enqueued on queue {run.queue}")
+    if run.paused:
+        click.echo(f"entry {entry} is paused: run all the same, as asked; its ticks are still passed over")
+
+
+@schedule.command("backfill")
+@click.argument("entry")
+@click.option("--from", "from_text", required=True, help="the window's start: an ISO time (UTC unless it says) or 2h")
+@click.option("--to", "to_text", help="its end, included: the same; default now")
+@click.option("--trigger", "trigger_path", help="module:attribute of the entry's APScheduler trigger, if it has one")
+@click.option("--dry-run", is_flag=True, help="show the ticks and what each is; enqueue nothing")
+@click.option("--yes", is_flag=True, help="enqueue without asking")
+def schedule_backfill(
+    entry: str, from_text: str, to_text: str | None, trigger_path: str | None, dry_run: bool, yes: bool
+) -> None:
+    """Enqueue the ticks of a past window that did not run, under the ids the leader gives them.
+
+    Shows each tick of the window and what it is, "ran" (it completed: a done mark),
+    "fired" (the leader or a backfill enqueued it) or "will run", with the counts,
+    then asks before enqueuing those that will run. A tick enqueued already is not
+    enqueued again, so running the same backfill twice enqueues nothing the second time.
+
+    \b
+    Examples:
+      dramatiq-gp schedule backfill shop.hourly_digest --from 2026-12-01T06:00:00Z --to 2026-12-01T12:00:00Z
+      dramatiq-gp schedule backfill shop.hourly_digest --from 6h --dry-run
+    """
+    from .actions import backfill_entry
+    from .scheduler import manual
+    from .scheduler.runner import tick_claim_ttl_ms
+    from .scheduler.schedule import ScheduleError
+
+    now = datetime.now(UTC)
+    start = _moment(from_text, "--from")
+    end = _moment(to_text, "--to") if to_text else now
+    if end > now:
+        _fail(f"--to {end.isoformat(timespec='seconds')} is in the future: the ticks to come are the leader's to fire")
+    if start >= end:
+        _fail(
+            f"--from {start.isoformat(timespec='seconds')} is not before --to {end.isoformat(timespec='seconds')}: "
+            "the window is reversed or empty"
+        )
+    settings = _settings()
+    client, scheduler = _redis(settings), _scheduler_keys(settings)
+    trigger = _imported_trigger(trigger_path) if trigger_path else None
+    try:
+        template = manual.template(client, scheduler, entry)
+        if template is None:
+            _fail(f"no schedule entry {entry!r} in scheduler {scheduler.namespace} (`dramatiq-gp status` lists them)")
+            return
+        ticks = manual.backfill_ticks(template, start, end, trigger)
+    except ScheduleError as exc:
+        _fail(str(exc))
+        raise
+    zone = template.zone
+    shown = [moment.astimezone(zone).isoformat(timespec="seconds") for moment in (start, end)]
+    window = f"from {shown[0]} to {shown[1]}"
+    if not ticks:
+        _fail(f"entry {entry} has no tick {window}: nothing to backfill")
+    states = manual.tick_states(client, scheduler, settings.redis.namespace, entry, ticks)
+    click.echo(f"backfill of entry {entry} ({template.trigger}, {zone.key}) {window}:")
+    for tick, state in zip(ticks, states, strict=True):
+        click.echo(f"  {tick.astimezone(zone).isoformat()}  {state}")
+    due = [tick for tick, state in zip(ticks, states, strict=True) if state == manual.WILL_RUN]
+    counts = ", ".join(f"{states.count(state)} {state}" for state in (manual.RAN, manual.FIRED, manual.WILL_RUN))
+    click.echo(f"{len(ticks)} tick(s): {counts}")
+    retention = settings.worker.dedup_retention
+    if ticks[0] < now - retention:
+        click.echo(
+            f"ticks before {(now - retention).astimezone(zone).isoformat(timespec='seconds')} are older than "
+            f"WORKER_DEDUP_RETENTION ({format_duration(retention)}): one that ran then left no mark, and runs again"
+        )
+    if manual.is_paused(client, scheduler, entry):
+        click.echo(f"entry {entry} is paused: its ticks are backfilled all the same, as asked")
+    if not due:
+        click.echo("nothing to enqueue: every tick of the window ran or was fired")
+        return
+    if dry_run:
+        click.echo(f"dry run: {len(due)} tick(s) would be enqueued, none was")
+        return
+    if not yes:
+        click.confirm(f"enqueue {len(due)} tick(s) of entry {entry}?", abort=True)
+    # A claim outlives the done mark its run leaves, and any catch-up of the leader's that could reach the tick.
+    keep_ms = max(int(retention.total_seconds() * 1000), tick_claim_ttl_ms(settings.scheduler))
+    with _sending_broker(settings, client) as broker:
+        try:
+            sent, taken = backfill_entry(broker, scheduler, template, due, keep_ms=keep_ms, who=_who())
+        except (redis.RedisError, BrokerError) as exc:
+            _fail(f"nothing enqueued: {exc}")
+            raise
+    meanwhile = f"; {taken} claimed meanwhile by the leader or another backfill, not enqueued again" if taken else ""
+    click.echo(f"{sent} tick(s) of entry {entry} enqueued{meanwhile}")
 
 
 def _zone(name: str) -> ZoneInfo:

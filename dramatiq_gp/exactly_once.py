@@ -41,6 +41,8 @@ class Running(NamedTuple):
     envelope_id: str | None = None
     #: A job's: the tick it fires for (ISO 8601).
     scheduled_at: str | None = None
+    #: A job's run asked for by hand: its own message id (its ``scheduled_at`` is no tick).
+    message_id: str | None = None
 
 
 #: The message the current thread runs, set by listeners and jobs around their handler.
@@ -94,10 +96,13 @@ async def run_handler_async(running: Running, bind: Any, handler: Callable[..., 
 
 def _message_of(running: Running) -> tuple[str, str, str | None]:
     """The message id, task type and envelope id (``None`` for a job) of ``running``, recomputed the
-    way they were made (:func:`~dramatiq_gp.fan_out_id`, the tick's id)."""
-    task_type, envelope_id, scheduled_at = running
+    way they were made (:func:`~dramatiq_gp.fan_out_id`, the tick's id); a job's run asked for by hand
+    carries its own."""
+    task_type, envelope_id, scheduled_at, message_id = running
     if envelope_id is not None:
         return fan_out_id(envelope_id, task_type), task_type, envelope_id
+    if message_id is not None:
+        return message_id, task_type, None
     assert scheduled_at is not None
     entry = job_name(task_type) or task_type
     return tick_message_id(entry, datetime.fromisoformat(scheduled_at)), task_type, None

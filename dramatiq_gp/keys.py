@@ -212,6 +212,13 @@ class SchedulerKeys:
         return f"{self.prefix}:entries"
 
     @property
+    def templates(self) -> str:
+        """Entry name → what a firing of it enqueues (trigger, zone, queue, actor, options; an event entry's event and
+        payload), as JSON, so that ``dramatiq-gp schedule run|backfill`` and the dashboard build its messages without
+        the application's code (a hash, see :mod:`.scheduler.manual`)."""
+        return f"{self.prefix}:templates"
+
+    @property
     def catchup(self) -> str:
         """The catch-up policy the workers run with (``SCHEDULER_CATCHUP*``), as JSON, for the dashboard."""
         return f"{self.prefix}:catchup"

@@ -32,6 +32,7 @@ every key a mark could be in with one read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from hashlib import blake2b
 
 import redis
@@ -69,4 +70,12 @@ def with_library(script: str) -> str:
 
 def is_done(client: redis.Redis, namespace: str, message_id: str) -> bool:
     """Whether ``message_id`` has a done mark: a copy of it would be skipped."""
-    return bool(client.eval(with_library(_SCRIPTS["marked"]), 0, keys.done_marks(namespace), digest(message_id)))
+    return are_done(client, namespace, [message_id])[0]
+
+
+def are_done(client: redis.Redis, namespace: str, message_ids: Sequence[str]) -> list[bool]:
+    """Whether each of ``message_ids`` has a done mark, in one call."""
+    if not message_ids:
+        return []
+    script, prefix = with_library(_SCRIPTS["marked"]), keys.done_marks(namespace)
+    return [bool(found) for found in client.eval(script, 0, prefix, *(digest(i) for i in message_ids))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from .. import actions
-from ..brokers.kinds import view_for
+from ..brokers.base import KitBroker
+from ..brokers.kinds import broker_for, view_for
 from ..durations import format_duration
 from ..records import MARK
 from ..settings import QUEUE_NAME, Settings
@@ -261,6 +262,37 @@ class _Dashboard:
     async def resume(self, request: Request) -> Response:
         return await self._entry(request, pause=False, consequence="It fires again from its next tick.")
 
+    async def run(self, request: Request) -> Response:
+        entry = request.path_params["entry"]
+
+        def perform(form: FormData, by: str) -> str:
+            with self._sending_broker() as broker:
+                run = actions.run_entry(broker, self.reader.scheduler_keys, entry, who=by)
+            if run is None:
+                return f"no schedule entry {entry}"
+            paused = " (it is paused: run all the same)" if run.paused else ""
+            return f"entry {entry} run now: message {run.message_id}{paused}"
+
+        return await self.act(
+            request,
+            title=f"Run {entry} now?",
+            perform=perform,
+            back=request.url_for("scheduler").path,
+            consequence="One run is enqueued at once, with an id of its own and now as its scheduled time; the "
+            "entry's ticks go on as scheduled. A paused entry runs all the same.",
+        )
+
+    @contextlib.contextmanager
+    def _sending_broker(self) -> Iterator[KitBroker]:
+        """A broker that only sends, to where the workers' queues are, on the dashboard's connection pool: closing
+        it (RabbitMQ's closes its Redis client) leaves the pool to the dashboard."""
+        client = redis.Redis(connection_pool=self.reader.client.connection_pool)
+        broker = broker_for(self.reader.settings, client, middleware=[])
+        try:
+            yield broker
+        finally:
+            broker.close()
+
     async def _entry(self, request: Request, *, pause: bool, consequence: str) -> Response:
         entry = request.path_params["entry"]
         act, verb = (actions.pause_entry, "paused") if pause else (actions.resume_entry, "resumed")
@@ -365,6 +397,7 @@ def create_app(
         Route("/scheduler", d.scheduler, name="scheduler"),
         Route("/scheduler/{entry}/pause", d.pause, methods=["POST"], name="pause"),
         Route("/scheduler/{entry}/resume", d.resume, methods=["POST"], name="resume"),
+        Route("/scheduler/{entry}/run", d.run, methods=["POST"], name="run"),
         Route("/outbox", d.outbox, name="outbox"),
         Route("/outbox/{event_id}/replay", d.replay, methods=["POST"], name="replay"),
         Route("/dead-letters", d.dead_letter_queues, name="dead_letter_queues"),

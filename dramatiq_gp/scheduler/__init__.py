@@ -7,6 +7,7 @@
 * :mod:`.runner`: firing ticks exactly once, and catching up after a takeover;
 * :mod:`.outlet`: where a fired tick goes, one outlet per kind of broker;
 * :mod:`.executor`: the APScheduler executor that hands the runner its due ticks;
+* :mod:`.manual`: runs asked for by hand (run now, backfill), built from the templates the workers publish;
 * :mod:`.status`: what ``dramatiq-gp status`` and the dashboard show of the scheduler.
 """
 

@@ -60,7 +60,6 @@ import functools
 import json
 import logging
 import threading
-import time
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -79,7 +78,6 @@ from ..brokers.base import KitBroker
 from ..exactly_once import Running, run_handler, run_handler_async
 from ..lua import scripts
 from ..metrics import instruments, observe
-from ..names import tick_message_id
 from ..records import text
 from ..registry import Registry, idempotent_option, send_all
 from ..settings import SchedulerSettings
@@ -87,6 +85,7 @@ from . import dynamic
 from .dynamic import decode_raw
 from .executor import TickExecutor
 from .lease import Lease
+from .manual import Template, tick_message
 from .outlet import Tick, TickNotDurable, outlet_for
 from .schedule import Entry, Schedule, ScheduleError
 from .status import scheduler_status
@@ -107,6 +106,11 @@ UPCOMING = 5
 STORED_BATCH = 500
 
 _STORED_SCRIPTS = scripts(dynamic.__file__)
+
+
+def tick_claim_ttl_ms(settings: SchedulerSettings) -> int:
+    """How long the leader's claim of a tick lives: past the catch-up grace, that tick never fires again."""
+    return int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS
 
 
 def _ms(instant: datetime) -> int:
@@ -159,7 +163,7 @@ class Runner:
         self.outlet = outlet_for(
             broker,
             self.keys,
-            int(settings.catchup_grace.total_seconds() * 1000) + TICK_KEY_MARGIN_MS,
+            tick_claim_ttl_ms(settings),
             replicas=settings.claim_replicas,
             wait_ms=max(1, round(settings.claim_timeout.total_seconds() * 1000)),
         )
@@ -205,6 +209,10 @@ class Runner:
         if self.schedule:
             client.hset(
                 self.keys.entries, mapping={entry.name: f"{entry.text}|{entry.zone.key}" for entry in self.schedule}
+            )
+            # And what each firing enqueues, for ``dramatiq-gp schedule run|backfill`` and the dashboard's Run now.
+            client.hset(
+                self.keys.templates, mapping={entry.name: Template.of(entry).encode() for entry in self.schedule}
             )
         policy = self.settings
         client.set(
@@ -563,25 +571,7 @@ class Runner:
         return leading
 
     def _message(self, entry: Entry, tick: datetime) -> Message[Any]:
-        message_id = tick_message_id(entry.name, tick)
-        firing: dict[str, Any] = {"entry": entry.name, "scheduled_at": tick.astimezone(entry.zone).isoformat()}
-        args: tuple[Any, ...] = (firing,)
-        if entry.event is not None:
-            firing.update(id=message_id, event=entry.event.name, data=entry.payload)
-        elif entry.event_name is not None:
-            # The envelope a dispatch's fan-out takes, with the firing's own id.
-            firing.update(id=message_id, event=entry.event_name, data=entry.payload)
-        elif entry.actor is not None:
-            args = entry.args
-        return Message(
-            queue_name=entry.queue,
-            actor_name=entry.actor_name,
-            args=args,
-            kwargs=dict(entry.kwargs or {}),
-            options=dict(entry.options),
-            message_id=message_id,
-            message_timestamp=int(time.time() * 1000),
-        )
+        return tick_message(Template.of(entry), tick)
 
 
 def _warn_retrying(logger: logging.Logger, exc: BaseException) -> None:
@@ -604,17 +594,19 @@ def _job_fn(entry: Entry) -> Any:
     handler, takes_time, bind, actor_name = entry.handler, entry.takes_time, entry.inbox, entry.actor_name
     assert handler is not None
 
-    # gp.inbox() inside the job keys its transaction by this firing's message id (the tick's).
+    # gp.inbox() inside the job keys its transaction by this firing's message id: the tick's, or the own id
+    # a run asked for by hand carries (dramatiq_gp.scheduler.manual).
     def run(firing: dict[str, Any]) -> None:
         scheduled_at = firing["scheduled_at"]
         args = (datetime.fromisoformat(scheduled_at),) if takes_time else ()
-        run_handler(Running(actor_name, scheduled_at=scheduled_at), bind, handler, *args)
+        run_handler(Running(actor_name, scheduled_at=scheduled_at, message_id=firing.get("id")), bind, handler, *args)
 
     async def run_async(firing: dict[str, Any]) -> None:
         # On Dramatiq's event-loop thread, in a copy of the worker thread's context (see dramatiq_gp.aio).
         scheduled_at = firing["scheduled_at"]
         args = (datetime.fromisoformat(scheduled_at),) if takes_time else ()
-        await run_handler_async(Running(actor_name, scheduled_at=scheduled_at), bind, handler, *args)
+        running = Running(actor_name, scheduled_at=scheduled_at, message_id=firing.get("id"))
+        await run_handler_async(running, bind, handler, *args)
 
     fn: Any = run_async if is_async(handler) else run
     fn.__module__ = getattr(handler, "__module__", None) or __name__

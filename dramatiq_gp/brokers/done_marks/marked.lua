@@ -1,2 +1,7 @@
--- 1 if the digest ARGV[2] has a done mark under the prefix ARGV[1], else 0.
-return marked_done(marks_places(ARGV[1]), ARGV[2]) and 1 or 0
+-- For each digest ARGV[2..]: 1 if it has a done mark under the prefix ARGV[1], else 0 (in order).
+local places = marks_places(ARGV[1])
+local found = {}
+for i = 2, #ARGV do
+    found[i - 1] = marked_done(places, ARGV[i]) and 1 or 0
+end
+return found
