@@ -598,6 +598,13 @@ def _schedules(settings: Settings) -> Any:
 @click.option("--tz", help="IANA zone of the spec (default: SCHEDULER_TIMEZONE)")
 @click.option("--options", "options_json", default="{}", show_default=True, help="message options, as JSON")
 @click.option("--replace", is_flag=True, help="change the entry if it exists")
+@click.option(
+    "--overlap",
+    type=click.Choice(["allow", "skip", "wait"]),
+    default="allow",
+    show_default=True,
+    help="an actor's run while the entry's previous run still runs",
+)
 def schedule_add(
     name: str,
     spec: str,
@@ -610,6 +617,7 @@ def schedule_add(
     tz: str | None,
     options_json: str,
     replace: bool,
+    overlap: str,
 ) -> None:
     """Store a schedule entry the leader fires from its next tick (no code change, no restart).
 
@@ -648,6 +656,7 @@ def schedule_add(
                 queue=queue,
                 tz=tz,
                 replace=replace,
+                overlap=overlap,
                 **options,
             )
     except ScheduleError as exc:

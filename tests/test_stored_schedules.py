@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -27,6 +28,7 @@ from click.testing import CliRunner
 import dramatiq_gp as gp
 from devtools.scheduler_cluster import Cluster
 from dramatiq_gp.cli import main
+from dramatiq_gp.names import tick_message_id
 from dramatiq_gp.scheduler.dynamic import EventByName
 from helpers import wait_for
 
@@ -290,3 +292,51 @@ def test_the_cli_adds_lists_previews_and_removes_stored_entries(clean_env, names
     assert cli("schedule", "remove", "digest.42").exit_code == 0
     gone = cli("schedule", "remove", "digest.42")
     assert gone.exit_code == 1 and "no stored schedule entry 'digest.42'" in gone.output
+
+
+def test_a_stored_actor_entry_takes_overlap_and_its_runs_never_overlap(make_kit, start_worker):
+    kit = make_kit(env={"SCHEDULER_DYNAMIC": "true", "SCHEDULER_LEASE_TTL": "1500ms"})
+    runs: list[tuple[float, float]] = []
+
+    @dramatiq.actor(broker=kit.broker, actor_name="slow_report")
+    def slow_report(customer: int) -> None:
+        started = time.monotonic()
+        time.sleep(2.2)
+        runs.append((started, time.monotonic()))
+
+    assert "overlap= is for an actor" in _error(lambda: kit.schedules.add("e", "@every 1s", Ping(1), overlap="skip"))
+    assert "is not one of" in _error(lambda: kit.schedules.add("s", "@every 1s", slow_report, overlap="never"))
+    kit.schedules.add("slow", "@every 1s", slow_report, args=[1], overlap="skip")
+    assert kit.schedules.get("slow").options == {"gp_overlap": {"key": "slow", "mode": "skip"}}
+    start_worker(kit, threads=4)
+    wait_for(lambda: len(runs) >= 3, timeout=20)
+    kit.scheduler.stop()
+    ordered = sorted(runs)
+    assert all(earlier[1] <= later[0] for earlier, later in itertools.pairwise(ordered)), ordered
+
+
+def test_a_stored_entry_runs_now_and_is_backfilled_under_its_ticks_ids(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    schedules = gp.Schedules(rdb, namespace, warn_leaderless=False)
+    schedules.add(
+        "report.5", IntervalTrigger(seconds=2, start_date=datetime(2026, 1, 1, tzinfo=UTC)), "report", args=[5]
+    )
+
+    def queued() -> list[dict]:
+        return [json.loads(data) for data in rdb.hvals(f"{namespace}:default.msgs")]
+
+    ran = CliRunner().invoke(main, ["schedule", "run", "report.5"])
+    assert ran.exit_code == 0, ran.output
+    (run,) = queued()
+    assert (run["actor_name"], run["args"]) == ("report", [5])  # the actor's own arguments, no firing
+    now = datetime.now(UTC)
+    # A stored entry's trigger is in the store: its past ticks need no --trigger, even an IntervalTrigger's.
+    done = CliRunner().invoke(main, ["schedule", "backfill", "report.5", "--from", "9s", "--to", "1s", "--yes"])
+    assert done.exit_code == 0, done.output
+    ticks = [m for m in queued() if m["message_id"] != run["message_id"]]
+    assert len(ticks) in (4, 5) and all(m["args"] == [5] for m in ticks)
+    near = range(int(now.timestamp()) - 10, int(now.timestamp()) + 2)
+    even_seconds = {tick_message_id("report.5", datetime.fromtimestamp(s, UTC)) for s in near if s % 2 == 0}
+    assert {m["message_id"] for m in ticks} <= even_seconds  # the ids the leader gives those ticks
+    again = CliRunner().invoke(main, ["schedule", "backfill", "report.5", "--from", "9s", "--to", "1s", "--yes"])
+    assert again.exit_code == 0 and "nothing to enqueue" in again.output

@@ -49,7 +49,7 @@ from ..names import EVENT_QUEUE, NAME
 from ..records import text
 from ..settings import QUEUE_NAME
 from .cron import CronError, parse
-from .schedule import Entry, Schedule, ScheduleError
+from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known
 from .triggers import SpecTrigger
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ class Schedules:
         tz: str | None = None,
         queue: str | None = None,
         replace: bool = False,
+        overlap: Overlap = "allow",
         **options: Any,
     ) -> Added:
         """Store the entry ``name``: ``target`` fires whenever ``when`` does, from the next tick on.
@@ -148,6 +149,8 @@ class Schedules:
 
         With ``replace=True`` an entry of that name is changed, and its ticks start
         again from the next one of the new trigger; without, an existing name is refused.
+        ``overlap=`` (``"skip"``, ``"wait"``) keeps an actor's runs from overlapping, as
+        for a code job (``docs/scheduling.md``, overlapping runs).
 
         Raises:
             ScheduleError: one line naming the entry and what is wrong with it.
@@ -158,9 +161,17 @@ class Schedules:
         if self._schedule is not None and any(entry.name == name for entry in self._schedule):
             raise ScheduleError(f"{where} is defined in code: a stored entry may not take its name")
         zone = self.zone if tz is None else _zone(tz, where)
+        if OVERLAP_OPTION in options:
+            raise ScheduleError(f"{where}: give overlap=, not {OVERLAP_OPTION}=")
+        if overlap not in OVERLAPS:
+            raise ScheduleError(f"{where}: overlap={overlap!r} is not one of {', '.join(map(repr, OVERLAPS))}")
+        if overlap != "allow":
+            options[OVERLAP_OPTION] = {"key": name, "mode": overlap}
         record = {"trigger": encode_trigger(when, zone, where), "zone": zone.key, "options": dict(options)}
         record.update(self._target(where, target, args, kwargs, queue))
-        self._check_options(where, options)
+        if overlap != "allow" and "event" in record:
+            raise ScheduleError(f"{where}: overlap= is for an actor: an event's listeners run as tasks of their own")
+        self._check_options(name, options)
         entry = decode(name, record)  # what the leader will read back, checked before it is written
         data = json.dumps(record, separators=(",", ":"))
         if len(data) > MAX_ENTRY_BYTES:
@@ -261,10 +272,10 @@ class Schedules:
             return str(self._broker.get_actor(actor).queue_name)
         return "default"
 
-    def _check_options(self, where: str, options: Mapping[str, Any]) -> None:
+    def _check_options(self, name: str, options: Mapping[str, Any]) -> None:
         known = getattr(self._broker, "actor_options", None)
-        if known is not None and (unknown := set(options) - known):
-            raise ScheduleError(f"{where}: unknown option(s) {', '.join(sorted(unknown))}")
+        if known is not None:
+            check_known(name, options, known)
 
 
 def encode_trigger(when: object, zone: ZoneInfo, where: str) -> Any:

@@ -251,7 +251,7 @@ class Schedule:
         """
         self._known_options = known
         for entry in self._entries.values():
-            _check_known(entry.name, entry.options, known)
+            check_known(entry.name, entry.options, known)
 
     def include(self, other: Schedule) -> None:
         """Add ``other``'s entries (the module-level ``@dramatiq_gp.job`` ones, say) to this schedule.
@@ -307,7 +307,7 @@ class Schedule:
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
             raise ScheduleError(f"schedule entry {name!r}: {queue!r} is not a queue name")
         if self._known_options is not None:
-            _check_known(name, options, self._known_options)
+            check_known(name, options, self._known_options)
         try:
             json.dumps(options)
         except TypeError as exc:
@@ -321,7 +321,7 @@ class Schedule:
         self._entries[entry.name] = entry
 
 
-def _check_known(name: str, options: Mapping[str, Any], known: set[str]) -> None:
+def check_known(name: str, options: Mapping[str, Any], known: set[str]) -> None:
     if OVERLAP_OPTION in options and OVERLAP_OPTION not in known:
         mode = options[OVERLAP_OPTION]["mode"]
         raise ScheduleError(
