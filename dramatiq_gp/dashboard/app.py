@@ -300,11 +300,11 @@ class _Dashboard:
         title = f"{'Pause' if pause else 'Resume'} {entry}?"
         return await self.act(request, title=title, perform=perform, back=back, consequence=consequence)
 
-    async def _back(self, request: Request) -> str:
-        """Where a schedule action returns: the page of stored entries it came from (its search and page kept),
-        or the scheduler page."""
+    async def _back(self, request: Request, *, stored: bool = False) -> str:
+        """Where a schedule action returns: the page of stored entries (its search and page kept) when it came
+        from there or acts on stored entries only, else the scheduler page."""
         form = await request.form()
-        if form.get("back") != "stored":
+        if not stored and form.get("back") != "stored":
             return request.url_for("scheduler").path
         query = {k: v for k in ("prefix", "after") if (v := _name_part(form, k))}
         return request.url_for("stored").path + (f"?{urlencode(query)}" if query else "")
@@ -343,7 +343,7 @@ class _Dashboard:
             request,
             title=f"Store schedule entry {name}?",
             perform=perform,
-            back=await self._back(request),
+            back=await self._back(request, stored=True),
             consequence=consequence,
         )
 
@@ -359,7 +359,7 @@ class _Dashboard:
             request,
             title=f"Remove stored entry {entry}?",
             perform=perform,
-            back=await self._back(request),
+            back=await self._back(request, stored=True),
             consequence="Its ticks stop at once; its last fire and its pause are forgotten. Add it again to undo.",
         )
 
