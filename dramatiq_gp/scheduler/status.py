@@ -46,8 +46,8 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
     paused: dict[Any, Any] = {}
     if names:  # only the code entries' fields: these hashes hold the stored entries' too, which may be 100,000
         with client.pipeline(transaction=False) as pipe:
-            for key in (scheduler.last_fired, scheduler.upcoming, scheduler.paused):
-                pipe.hmget(key, names)
+            for fields in (scheduler.last_fired, scheduler.upcoming, scheduler.paused):
+                pipe.hmget(fields, names)
             last, published, paused = (dict(zip(names, values, strict=True)) for values in pipe.execute())
     entries = []
     for key, trigger_zone in code:
