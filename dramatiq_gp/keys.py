@@ -245,6 +245,12 @@ class SchedulerKeys:
         return f"{self.prefix}:dynamic"
 
     @property
+    def names(self) -> str:
+        """Stored entry names, every one at score 0 (a sorted set): read by name and prefix with ``ZRANGEBYLEX``,
+        a page at a time, where the hash could only be scanned whole."""
+        return f"{self.prefix}:names"
+
+    @property
     def due(self) -> str:
         """Stored entry name → the ms of its next tick not yet fired (a sorted set): what the leader reads."""
         return f"{self.prefix}:due"

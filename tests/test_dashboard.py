@@ -42,6 +42,7 @@ from dramatiq_gp.brokers.redis_view import RedisQueueView
 from dramatiq_gp.brokers.view import QueueView
 from dramatiq_gp.cli import main as cli_main
 from dramatiq_gp.dashboard import Credentials, create_app
+from dramatiq_gp.scheduler.dynamic import EventByName
 from helpers import (
     BAD_DEAD_LETTERS,
     BAD_SCHEDULER,
@@ -882,3 +883,177 @@ def test_the_outbox_page_shows_delayed_events_not_yet_due_apart_from_the_backlog
     backlog = re.sub(r"<[^>]+>", "", page.body.split('id="backlog"')[1].split("</section>")[0])
     assert "Pending: 1" in backlog
     assert "scheduled (delayed, not yet due): 2" in backlog
+
+
+# -- stored schedule entries ------------------------------------------------------------------
+
+
+def _stored_page(body: str) -> list[str]:
+    return re.findall(r'<tr data-entry="([^"]+)">', body)
+
+
+def test_stored_entries_are_listed_by_prefix_a_page_at_a_time_without_reading_them_all(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    schedules = gp.Schedules(rdb, namespace)
+    for n in range(250):
+        schedules.add(f"digest.{n:03}", "0 8 * * *", EventByName("digest.due", {"customer": n}), tz="Asia/Tokyo")
+    schedules.add("cleanup", "@every 10m", "cleanup", args=["/tmp/ada@example.com"], queue="maintenance")
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        summary = browser.open("/scheduler").body
+        assert "<strong>251</strong> stored at run time" in summary and "/scheduler/stored" in summary
+        assert "Next to fire: <code>cleanup</code>" in summary  # every 10 minutes comes before 08:00 in Tokyo
+
+        before = _commandstats(rdb)
+        first = browser.open("/scheduler/stored?prefix=digest.")
+        assert _commandstats(rdb) == before  # one page of an index, never a scan
+        assert _stored_page(first.body) == [f"digest.{n:03}" for n in range(50)]
+        row = re.search(r'<tr data-entry="digest.007">(.*?)</tr>', first.body, re.S)
+        assert row and "<code>0 8 * * *</code></td><td>Asia/Tokyo</td>" in row.group(1)
+        assert "event <code>digest.due</code>" in row.group(1) and "T08:00:00+09:00" in row.group(1)
+        assert "[Filtered]" in row.group(1) and "active" in row.group(1)  # PII display is off
+        pages, path = [], "/scheduler/stored?prefix=digest."
+        while path:
+            page = browser.open(path)
+            pages.append(_stored_page(page.body))
+            found = re.search(r'<a href="\?([^"]+)" rel="next">', page.body)
+            path = "/scheduler/stored?" + html.unescape(found.group(1)) if found else ""
+        assert [len(p) for p in pages] == [50, 50, 50, 50, 50]
+        assert [name for p in pages for name in p] == [f"digest.{n:03}" for n in range(250)]
+        assert _stored_page(browser.open("/scheduler/stored?prefix=digest.24").body) == [
+            f"digest.{n}" for n in range(240, 250)
+        ]
+        assert _stored_page(browser.open("/scheduler/stored?after=digest.248").body) == ["digest.249"]
+        assert "No stored entry starts with <code>nope</code>" in browser.open("/scheduler/stored?prefix=nope").body
+        bad = browser.open("/scheduler/stored?prefix=%3Cb%3E")
+        assert (
+            bad.status == 400 and bad.body == "prefix='<b>': a schedule entry's name is letters, digits, '_', '.', '-'"
+        )
+    clean_env.setenv("SENTRY_SEND_DEFAULT_PII", "true")
+    with serving(create_app()) as base:
+        row = re.search(r'<tr data-entry="cleanup">(.*?)</tr>', Browser(base).open("/scheduler/stored").body, re.S)
+    assert row and "actor <code>cleanup</code>" in row.group(1) and "<td>maintenance</td>" in row.group(1)
+    assert html.unescape(row.group(1)).count('{"args": ["/tmp/ada@example.com"], "kwargs": {}}') == 1
+
+
+def test_an_entry_stored_from_the_dashboard_is_confirmed_logged_with_who_and_fired_as_given(
+    clean_env, namespace, rdb, caplog
+):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    form = {"name": "digest.42", "spec": "0 8 * * *", "zone": "Europe/Budapest", "event": "digest.due"}
+    form |= {"data": '{"customer": 42}', "back": "stored", "prefix": "digest."}
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        token = browser.csrf("/scheduler/stored")
+        assert browser.open("/scheduler/stored/add", form).status == 403  # no CSRF token
+        assert browser.open("/scheduler/stored/add", {**form, "csrf": "forged", "confirmed": "yes"}).status == 403
+        confirm = browser.open("/scheduler/stored/add", {**form, "csrf": token})
+        assert "Store schedule entry digest.42?" in confirm.body
+        assert "It fires at 0 8 * * * (Europe/Budapest): event digest.due with the data given" in confirm.body
+        assert not rdb.hlen(f"{namespace}:scheduler:dynamic")  # nothing done yet
+        with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
+            done = browser.open("/scheduler/stored/add", {**form, "csrf": token, "confirmed": "yes"})
+            actor = {"name": "cleanup", "spec": "@every 10m", "actor": "cleanup", "args": '["/tmp"]', "queue": "ops"}
+            browser.open("/scheduler/stored/add", {**actor, "csrf": token, "confirmed": "yes"})
+            removed = browser.open("/scheduler/stored/cleanup/remove", {"csrf": token, "confirmed": "yes"})
+        assert done.status == 200 and done.url.endswith("/scheduler/stored?prefix=digest.")
+        assert re.search(r'<p class="flash" role="status">entry digest.42 stored: next fire \S+T08:00:00\+0', done.body)
+        assert _stored_page(done.body) == ["digest.42"]
+        assert removed.url.endswith("/scheduler/stored") and "entry cleanup removed" in removed.body
+    stored = gp.Schedules(rdb, namespace).get("digest.42")
+    assert (stored.kind, stored.target, stored.data, stored.zone) == (
+        "event",
+        "digest.due",
+        {"customer": 42},
+        "Europe/Budapest",
+    )
+    assert gp.Schedules(rdb, namespace).get("cleanup") is None
+    assert [r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.actions"] == [
+        "schedule add by anonymous (dashboard, 127.0.0.1): entry digest.42 added: 0 8 * * * (Europe/Budapest), "
+        "event digest.due",
+        "schedule add by anonymous (dashboard, 127.0.0.1): entry cleanup added: @every 10m (UTC), actor cleanup",
+        "schedule remove by anonymous (dashboard, 127.0.0.1): entry cleanup removed",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "shown"),
+    [
+        ({"spec": "0 25 * * *"}, "refused: schedule entry 'bad': cron spec '0 25 * * *': hour value 25"),
+        ({"zone": "Mars/Olympus"}, "refused: schedule entry 'bad': 'Mars/Olympus' is not an IANA time zone"),
+        ({"name": "a b"}, "refused: schedule entry 'a b': a name is letters, digits"),
+        ({"data": "{nope"}, "refused: data: not JSON (Expecting property name"),
+        ({"actor": "job"}, "refused: give an event's wire name or an actor's name, not both"),
+        ({"name": "nightly"}, "refused: schedule entry 'nightly' is a code entry a worker published"),
+        ({"name": "taken"}, "refused: schedule entry 'taken' exists already: replace it to change it"),
+    ],
+    ids=["bad-spec", "bad-zone", "bad-name", "bad-json", "both-targets", "code-name", "exists"],
+)
+def test_a_refused_entry_shows_its_one_line_and_nothing_is_stored(fields, shown, clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
+    gp.Schedules(rdb, namespace).add("taken", "@daily", EventByName("digest.due", {}))
+    stored_before = rdb.hgetall(f"{namespace}:scheduler:dynamic")
+    form = {"name": "bad", "spec": "@daily", "event": "digest.due", "data": "{}", "back": "stored", **fields}
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        token = browser.csrf("/scheduler/stored")
+        done = browser.open("/scheduler/stored/add", {**form, "csrf": token, "confirmed": "yes"})
+    assert done.status == 200 and done.url.endswith("/scheduler/stored")
+    (flash,) = re.findall(r'<p class="flash bad" role="status">(.*?)</p>', done.body, re.S)
+    assert html.unescape(flash).startswith(shown) and "\n" not in flash, flash
+    assert rdb.hgetall(f"{namespace}:scheduler:dynamic") == stored_before
+    assert rdb.zcard(f"{namespace}:scheduler:names") == 1
+
+
+def test_a_stored_entry_paused_and_resumed_from_its_page_returns_to_that_page(clean_env, namespace, rdb, caplog):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    for n in range(3):
+        gp.Schedules(rdb, namespace).add(f"digest.{n}", "@daily", EventByName("digest.due", {"customer": n}))
+    keep = {"back": "stored", "prefix": "digest.", "after": "digest.0"}
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        token = browser.csrf("/scheduler/stored")
+        with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
+            paused = browser.open("/scheduler/digest.1/pause", {**keep, "csrf": token, "confirmed": "yes"})
+            row = re.search(r'<tr data-entry="digest.1">(.*?)</tr>', paused.body, re.S)
+            assert row and "paused</span> by anonymous (dashboard, 127.0.0.1)" in row.group(1)
+            assert 'action="' in row.group(1) and ">Resume</button>" in row.group(1)
+            resumed = browser.open("/scheduler/digest.1/resume", {**keep, "csrf": token, "confirmed": "yes"})
+        assert paused.url.endswith("/scheduler/stored?prefix=digest.&after=digest.0")
+        assert _stored_page(paused.body) == ["digest.1", "digest.2"]
+        assert "entry digest.1 resumed" in resumed.body
+        back = browser.open("/scheduler/digest.1/pause", {"back": "stored", "prefix": "<b>", "csrf": token})
+        assert back.status == 400 and back.body.startswith("prefix='<b>'")
+    assert not rdb.hlen(keys.SchedulerKeys(namespace).paused)
+    assert [r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.actions"] == [
+        "schedule pause by anonymous (dashboard, 127.0.0.1): entry digest.1 paused",
+        "schedule resume by anonymous (dashboard, 127.0.0.1): entry digest.1 resumed",
+    ]
+
+
+def test_read_only_lists_the_stored_entries_and_refuses_to_store_or_remove_them(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    gp.Schedules(rdb, namespace).add("digest.1", "@daily", EventByName("digest.due", {}))
+    with serving(create_app(read_only=True)) as base:
+        browser = Browser(base)
+        page = browser.open("/scheduler/stored")
+        assert _stored_page(page.body) == ["digest.1"]
+        assert page.body.count("<button") == 1 and 'id="add-entry"' not in page.body  # the search's alone
+        for path in ("/scheduler/stored/add", "/scheduler/stored/digest.1/remove"):
+            form = {"name": "x", "spec": "@daily", "event": "e", "confirmed": "yes"}
+            refused = browser.open(path, form)
+            assert refused.status == 403 and "read-only" in refused.body, path
+    assert sorted(rdb.hkeys(f"{namespace}:scheduler:dynamic")) == ["digest.1"]
+
+
+def test_a_stored_entry_that_cannot_be_read_is_marked_and_the_rest_of_its_page_shows(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    schedules = gp.Schedules(rdb, namespace)
+    for name in ("a.good", "b.bad"):
+        schedules.add(name, "@daily", EventByName("digest.due", {}))
+    rdb.hset(f"{namespace}:scheduler:dynamic", "b.bad", "{not json")
+    with serving(create_app()) as base:
+        page = Browser(base).open("/scheduler/stored")
+    assert page.status == 200 and _stored_page(page.body) == ["a.good", "b.bad"]
+    assert '<td colspan="6" class="error">(unreadable: not JSON)</td>' in page.body

@@ -298,3 +298,32 @@ def test_off_loopback_it_needs_credentials_and_logs_who_acted(shop, browser):
     assert f"[dramatiq_gp.actions] [INFO] schedule pause by alice (dashboard, 127.0.0.1): entry {REPORT} paused" in (
         log.read_text()
     )
+
+
+def test_an_entry_stored_through_the_form_is_listed_with_its_next_fire(shop, page):
+    import dramatiq_gp as gp
+    from dramatiq_gp.scheduler.dynamic import EventByName
+
+    schedules = gp.Schedules(shop.client, shop.namespace)
+    for name, zone in (("digest.apac", "Asia/Tokyo"), ("digest.us-east", "America/New_York")):
+        schedules.add(name, "0 8 * * *", EventByName("shop.digest_due", {}), tz=zone, replace=True)
+    page.goto(f"{shop.url}/scheduler")
+    assert "2 stored at run time" in page.locator("#stored-summary").inner_text()
+    page.locator("#stored-summary a").click()
+    form = page.locator("#add-entry")
+    form.locator('input[name="name"]').fill("digest.eu-central")
+    form.locator('input[name="spec"]').fill("0 8 * * *")
+    form.locator('input[name="zone"]').fill("Europe/Budapest")
+    form.locator('input[name="event"]').fill("shop.digest_due")
+    form.locator("#add-button").click()
+    _confirm(page, "Store schedule entry digest.eu-central?")
+    assert "entry digest.eu-central stored: next fire" in page.locator(".flash").inner_text()
+    row = page.locator('#stored tr[data-entry="digest.eu-central"]')
+    assert "Europe/Budapest" in row.inner_text() and "event shop.digest_due" in row.inner_text()
+    assert "T08:00:00+01:00" in row.inner_text() or "T08:00:00+02:00" in row.inner_text()
+    assert page.locator("#stored tbody tr").count() == 3
+    _shot(page, "stored")
+    page.fill('input[name="prefix"]', "digest.us")
+    page.click("#search button")
+    assert [r.get_attribute("data-entry") for r in page.locator("#stored tbody tr").all()] == ["digest.us-east"]
+    assert schedules.get("digest.eu-central").zone == "Europe/Budapest"

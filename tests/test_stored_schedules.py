@@ -151,13 +151,34 @@ def test_list_pages_by_prefix_and_remove_takes_every_trace(schedules, rdb, names
     schedules.add("other", "@daily", Ping(1))
     assert [e.name for e in schedules.list("digest.", limit=3)] == ["digest.00", "digest.01", "digest.02"]
     assert len(schedules.list("digest.")) == 30 and len(schedules) == 31
+    # The next page starts after the last name of this one; a cursor before the prefix starts at the prefix.
+    assert [e.name for e in schedules.list("digest.", limit=2, after="digest.02")] == ["digest.03", "digest.04"]
+    assert [e.name for e in schedules.list("digest.1", limit=2, after="a")] == ["digest.10", "digest.11"]
+    assert schedules.list("digest.", after="digest.29") == [] and schedules.list("digest.", after="z") == []
+    assert [e.name for e in schedules.list("digest.", limit=1, after="digest.")] == ["digest.00"]
+    assert [e.name for e in schedules.list(limit=100, after="digest.29")] == ["other"]
     assert [e.name for e in schedules.next_due(31)][-1] in {e.name for e in schedules.list()}
     rdb.hset(f"{namespace}:scheduler:last_fired", "other", 1)
     rdb.hset(f"{namespace}:scheduler:paused", "other", "{}")
     assert schedules.remove("other") and not schedules.remove("other")
     for key in ("dynamic", "last_fired", "paused"):
         assert not rdb.hexists(f"{namespace}:scheduler:{key}", "other")
-    assert rdb.zscore(f"{namespace}:scheduler:due", "other") is None
+    for key in ("due", "names"):
+        assert rdb.zscore(f"{namespace}:scheduler:{key}", "other") is None
+    assert rdb.zcard(f"{namespace}:scheduler:names") == 30
+
+
+def test_a_stored_record_that_cannot_be_read_is_listed_with_its_mark_and_the_rest_still_shows(
+    schedules, rdb, namespace
+):
+    schedules.add("a.good", "@daily", Ping(1))
+    schedules.add("b.bad", "@daily", Ping(2))
+    schedules.add("c.odd", "@daily", Ping(3))
+    rdb.hset(f"{namespace}:scheduler:dynamic", mapping={"b.bad": "{not json", "c.odd": '{"zone": "UTC"}'})
+    good, bad, odd = schedules.list()
+    assert good.kind == "event" and good.trigger == "@daily"
+    assert (bad.kind, bad.trigger) == ("unreadable", "(unreadable: not JSON)")
+    assert (odd.kind, odd.trigger) == ("unreadable", "(unreadable: KeyError('trigger'))")
 
 
 def _stored_firings(cluster: Cluster) -> dict[str, list[tuple[datetime, str]]]:

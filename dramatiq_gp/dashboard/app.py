@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, urlencode
 
 import redis
 from dramatiq.common import current_millis
@@ -30,6 +31,8 @@ from ..brokers.base import KitBroker
 from ..brokers.kinds import broker_for, view_for
 from ..durations import format_duration
 from ..records import MARK
+from ..scheduler.dynamic import EventByName
+from ..scheduler.schedule import ScheduleError
 from ..settings import QUEUE_NAME, Settings
 from .access import (
     CSRF_FIELD,
@@ -46,6 +49,12 @@ from .reader import PAGE, Reader
 
 HERE = Path(__file__).parent
 FLASH_COOKIE = "gp_flash"
+#: How a flash of an action refused starts: the page shows it as an error.
+REFUSED = "refused: "
+
+
+class Refused(Exception):
+    """An action refused in one line (a bad schedule entry): shown on the page it returns to, nothing done."""
 
 
 def _when(ms: int | None) -> str:
@@ -110,6 +119,7 @@ class _Dashboard:
                 "read_only": self.read_only,
                 "csrf": csrf_token(request),
                 "flash": unquote(flash or ""),
+                "refused": REFUSED,
                 "counts_consumers": self.reader.queue_view.counts_consumers,
                 "refresh": refresh,
                 **context,
@@ -127,6 +137,19 @@ class _Dashboard:
 
     def scheduler(self, request: Request) -> Response:
         return self.render(request, "scheduler.html", page="scheduler", scheduler=self.reader.scheduler())
+
+    def stored(self, request: Request) -> Response:
+        prefix, after = _name_part(request.query_params, "prefix") or "", _name_part(request.query_params, "after")
+        return self.render(
+            request,
+            "stored.html",
+            page="scheduler",
+            prefix=prefix,
+            after=after,
+            zone=self.reader.settings.scheduler.timezone,
+            pii=self.reader.pii,
+            **self.reader.stored(prefix, after),
+        )
 
     def outbox(self, request: Request) -> Response:
         return self.render(request, "outbox.html", page="outbox", outbox=self.reader.outbox())
@@ -186,7 +209,10 @@ class _Dashboard:
                 action=request.url.path,
                 back=back,
             )
-        outcome = await run_in_threadpool(perform, form, who(request))
+        try:
+            outcome = await run_in_threadpool(perform, form, who(request))
+        except Refused as exc:
+            outcome = REFUSED + str(exc)
         response = RedirectResponse(back, 303)
         response.set_cookie(
             FLASH_COOKIE, quote(outcome), path=request.scope.get("root_path") or "/", httponly=True, samesite="strict"
@@ -295,6 +321,7 @@ class _Dashboard:
 
     async def _entry(self, request: Request, *, pause: bool, consequence: str) -> Response:
         entry = request.path_params["entry"]
+        back = await self._back(request)
         act, verb = (actions.pause_entry, "paused") if pause else (actions.resume_entry, "resumed")
 
         def perform(form: FormData, by: str) -> str:
@@ -303,8 +330,70 @@ class _Dashboard:
             return f"entry {entry} {verb}"
 
         title = f"{'Pause' if pause else 'Resume'} {entry}?"
-        back = request.url_for("scheduler").path
         return await self.act(request, title=title, perform=perform, back=back, consequence=consequence)
+
+    async def _back(self, request: Request, *, stored: bool = False) -> str:
+        """Where a schedule action returns: the page of stored entries (its search and page kept) when it came
+        from there or acts on stored entries only, else the scheduler page."""
+        form = await request.form()
+        if not stored and form.get("back") != "stored":
+            return request.url_for("scheduler").path
+        query = {k: v for k in ("prefix", "after") if (v := _name_part(form, k))}
+        return request.url_for("stored").path + (f"?{urlencode(query)}" if query else "")
+
+    async def add_stored(self, request: Request) -> Response:
+        form = await request.form()
+        name, spec, zone = (str(form.get(k) or "").strip() for k in ("name", "spec", "zone"))
+        event, actor, queue = (str(form.get(k) or "").strip() for k in ("event", "actor", "queue"))
+        replace = form.get("replace") == "yes"
+        fires = f"{spec} ({zone or self.reader.settings.scheduler.timezone})"
+        what = f"event {event} with the data given" if event else f"actor {actor} with the arguments given"
+        if actor and queue:
+            what += f", on queue {queue}"
+
+        def perform(form: FormData, by: str) -> str:
+            if bool(event) == bool(actor):
+                raise Refused("give an event's wire name or an actor's name, not both")
+            options: dict[str, Any] = {"tz": zone or None, "replace": replace}
+            if event:
+                target: Any = EventByName(event, _json_field(form, "data", object))
+            else:
+                target = actor
+                options.update(
+                    args=_json_field(form, "args", list), kwargs=_json_field(form, "kwargs", dict), queue=queue or None
+                )
+            try:
+                entry = actions.add_entry(self.reader.schedules, name, spec, target, who=by, **options)
+            except ScheduleError as exc:
+                raise Refused(str(exc)) from None
+            return f"entry {name} stored: next fire {entry.next_fire.isoformat() if entry.next_fire else 'never'}"
+
+        consequence = f"It fires at {fires}: {what}, from its next tick."
+        if replace:
+            consequence += " An entry of that name is replaced: its ticks start again from the new trigger's next one."
+        return await self.act(
+            request,
+            title=f"Store schedule entry {name}?",
+            perform=perform,
+            back=await self._back(request, stored=True),
+            consequence=consequence,
+        )
+
+    async def remove_stored(self, request: Request) -> Response:
+        entry = request.path_params["entry"]
+
+        def perform(form: FormData, by: str) -> str:
+            if not actions.remove_entry(self.reader.schedules, entry, who=by):
+                return f"no stored schedule entry {entry}"
+            return f"entry {entry} removed"
+
+        return await self.act(
+            request,
+            title=f"Remove stored entry {entry}?",
+            perform=perform,
+            back=await self._back(request, stored=True),
+            consequence="Its ticks stop at once; its last fire and its pause are forgotten. Add it again to undo.",
+        )
 
 
 #: The shortest ``?refresh=`` period: ``0`` reloaded the page without end.
@@ -324,6 +413,34 @@ def _whole(request: Request, name: str, default: int, low: int, high: int) -> in
         value = low - 1
     if not low <= value <= high:
         raise HTTPException(400, f"{name}={text[:40]!r}: expected a whole number from {low:,} to {high:,}")
+    return value
+
+
+#: What may stand in a search for stored entries' names (``prefix``) or a page's cursor (``after``).
+NAME_PART = re.compile(r"[A-Za-z0-9_.\-]{0,200}")
+
+
+def _name_part(params: Any, name: str) -> str | None:
+    """The query or form parameter ``name``, a schedule entry's name or the start of one; 400 in one line
+    for anything else."""
+    value = params.get(name)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not NAME_PART.fullmatch(value):
+        shown = repr(value[:40]) if isinstance(value, str) else "a file"
+        raise HTTPException(400, f"{name}={shown}: a schedule entry's name is letters, digits, '_', '.', '-'")
+    return value
+
+
+def _json_field(form: FormData, name: str, kind: type) -> Any:
+    """The form field ``name`` as JSON of ``kind``; :class:`Refused` in one line naming it otherwise."""
+    raw = str(form.get(name) or ("[]" if kind is list else "{}"))
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise Refused(f"{name}: not JSON ({exc})") from None
+    if kind is not object and not isinstance(value, kind):
+        raise Refused(f"{name}: expected a JSON {'list' if kind is list else 'object'}")
     return value
 
 
@@ -395,6 +512,9 @@ def create_app(
     routes = [
         Route("/", d.overview, name="overview"),
         Route("/scheduler", d.scheduler, name="scheduler"),
+        Route("/scheduler/stored", d.stored, name="stored"),
+        Route("/scheduler/stored/add", d.add_stored, methods=["POST"], name="add_stored"),
+        Route("/scheduler/stored/{entry}/remove", d.remove_stored, methods=["POST"], name="remove_stored"),
         Route("/scheduler/{entry}/pause", d.pause, methods=["POST"], name="pause"),
         Route("/scheduler/{entry}/resume", d.resume, methods=["POST"], name="resume"),
         Route("/scheduler/{entry}/run", d.run, methods=["POST"], name="run"),

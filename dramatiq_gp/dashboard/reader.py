@@ -17,10 +17,11 @@ import redis
 
 from .. import keys
 from ..brokers.kinds import view_for
-from ..brokers.view import DeadLetter, QueueView
+from ..brokers.view import FILTERED, DeadLetter, QueueView
 from ..health import recorded
 from ..records import json_object, moment, text, unreadable
-from ..scheduler.status import scheduler_status
+from ..scheduler.dynamic import Schedules
+from ..scheduler.status import paused_by, scheduler_status
 from ..settings import Settings
 from ..status import LIVE_MS, outbox_status
 
@@ -93,6 +94,12 @@ class Reader:
     def pii(self) -> bool:
         return self.settings.sentry.send_default_pii
 
+    @property
+    def schedules(self) -> Schedules:
+        """The entries stored at run time, in the scheduler's namespace (no code, so shapes are checked, not
+        names: a worker refuses what it does not know, as for any message)."""
+        return Schedules(self.client, self.scheduler_keys.namespace, timezone=self.settings.scheduler.timezone)
+
     def queues(self) -> list[dict[str, Any]]:
         """Per queue the workers recorded: ready, in flight, delayed and dead (on RabbitMQ, consumers too)."""
         return self.queue_view.counts()
@@ -154,6 +161,35 @@ class Reader:
 
     def scheduler(self) -> dict[str, Any]:
         return scheduler_status(self.client, self.scheduler_keys)
+
+    def stored(self, prefix: str, after: str | None, limit: int = PAGE) -> dict[str, Any]:
+        """One page of the stored entries whose name starts with ``prefix``, by name, after the name ``after``;
+        how many are stored in all, and whether there is a next page. Three round trips however many there are;
+        a payload or arguments as ``[Filtered]`` unless PII display is on, as a dead letter's."""
+        schedules = self.schedules
+        page = schedules.list(prefix, limit=limit + 1, after=after)
+        more, page = len(page) > limit, page[:limit]
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hlen(self.scheduler_keys.dynamic)
+            if page:
+                pipe.hmget(self.scheduler_keys.paused, [e.name for e in page])
+            total, *pauses = pipe.execute()
+        paused = pauses[0] if pauses else []
+        entries = [
+            {
+                "name": e.name,
+                "trigger": e.trigger,
+                "zone": e.zone,
+                "kind": e.kind,
+                "target": e.target,
+                "data": e.data if self.pii else FILTERED,
+                "queue": e.queue,
+                "next_fire": e.next_fire.isoformat() if e.next_fire else None,
+                "paused": paused_by(p) if p is not None else None,
+            }
+            for e, p in zip(page, paused, strict=True)
+        ]
+        return {"entries": entries, "total": total, "more": more}
 
     def outbox(self, limit: int = PAGE) -> dict[str, Any] | None:
         """The backlog, the oldest pending event's age (the relays' lag) and the events set aside."""

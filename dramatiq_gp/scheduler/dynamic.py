@@ -18,6 +18,10 @@ scheduler that needs two servers to fire has two ways to stop.
 * ``due``: a sorted set, name → the ms of its next tick not yet fired. The leader
   reads only what is due (``ZRANGEBYSCORE -inf now``) and the head, never the whole
   set: 100,000 entries cost the leader nothing until they fire.
+* ``names``: a sorted set of the names, every one at score 0, so that
+  :meth:`Schedules.list` reads one page of them by name and prefix
+  (``ZRANGEBYLEX``, O(log N) plus the page) where the hash could only be scanned
+  whole. About 120 bytes an entry.
 
 A code entry keeps its name: storing an entry under a name a worker published
 (``<ns>:scheduler:entries``) or this process's schedule holds is refused.
@@ -46,7 +50,7 @@ from ..errors import EventEncodeError, EventError
 from ..events import event_type
 from ..lua import scripts
 from ..names import EVENT_QUEUE, NAME
-from ..records import text
+from ..records import json_object, text, unreadable
 from ..settings import QUEUE_NAME
 from .cron import CronError, parse
 from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known
@@ -70,8 +74,9 @@ class StoredEntry:
     #: The trigger as written: a cron spec, ``@every``, ``interval[...]`` or ``date[...]``.
     trigger: str
     zone: str
-    #: ``event`` (dispatched afresh at each tick) or ``actor`` (sent with its arguments).
-    kind: Literal["event", "actor"]
+    #: ``event`` (dispatched afresh at each tick) or ``actor`` (sent with its arguments); ``unreadable`` for
+    #: a record that cannot be read (written by hand, by another version): its mark is the trigger.
+    kind: Literal["event", "actor", "unreadable"]
     #: The event's wire name, or the actor's name.
     target: str
     #: The event's payload, or the actor's ``{"args": [...], "kwargs": {...}}``.
@@ -179,7 +184,7 @@ class Schedules:
         due = entry.next_after(datetime.now(UTC))
         outcome = text(
             self._add(
-                keys=[self.keys.dynamic, self.keys.due, self.keys.entries],
+                keys=[self.keys.dynamic, self.keys.due, self.keys.entries, self.keys.names],
                 args=[name, data, "" if due is None else _ms(due), 1 if replace else 0],
             )
         )
@@ -204,7 +209,10 @@ class Schedules:
     def remove(self, name: str) -> bool:
         """Remove the stored entry ``name``; its ticks stop at once. False if there is none."""
         return bool(
-            self._remove(keys=[self.keys.dynamic, self.keys.due, self.keys.last_fired, self.keys.paused], args=[name])
+            self._remove(
+                keys=[self.keys.dynamic, self.keys.due, self.keys.last_fired, self.keys.paused, self.keys.names],
+                args=[name],
+            )
         )
 
     def get(self, name: str) -> StoredEntry | None:
@@ -212,11 +220,20 @@ class Schedules:
         raw, due = self.client.hget(self.keys.dynamic, name), self.client.zscore(self.keys.due, name)
         return None if raw is None else _stored(name, raw, due)
 
-    def list(self, prefix: str = "", *, limit: int = 100) -> builtins.list[StoredEntry]:
-        """Up to ``limit`` stored entries whose name starts with ``prefix``, by name."""
-        match = _glob_escaped(prefix) + "*"
-        names = sorted(text(n) for n, _ in self.client.hscan_iter(self.keys.dynamic, match=match, count=1000))
-        names = names[:limit]
+    def list(self, prefix: str = "", *, limit: int = 100, after: str | None = None) -> builtins.list[StoredEntry]:
+        """Up to ``limit`` stored entries whose name starts with ``prefix``, by name; with ``after``, those
+        whose name comes after it: pass the last name of a page to get the next.
+
+        A page costs two round trips whatever the number of entries (``ZRANGEBYLEX`` on the name index,
+        then ``HMGET`` and ``ZMSCORE`` of that page). A record that cannot be read (written by hand, by
+        another version) is listed with ``kind="unreadable"`` and its mark as its trigger.
+        """
+        # Names are ASCII (NAME): every one starting with the prefix sorts before the prefix and 0xff.
+        low = f"({after}" if after is not None and after >= prefix else f"[{prefix}"
+        names = [
+            text(n)
+            for n in self.client.zrangebylex(self.keys.names, low, f"[{prefix}".encode() + b"\xff", start=0, num=limit)
+        ]
         if not names:
             return []
         with self.client.pipeline(transaction=False) as pipe:
@@ -361,8 +378,16 @@ def _trigger(encoded: str, zone_name: str) -> BaseTrigger:
 
 
 def _stored(name: str, raw: bytes | str, due: float | None) -> StoredEntry:
-    record = json.loads(raw)
-    entry = decode(name, record)
+    record = json_object(raw)
+    if isinstance(record, str):
+        return _unreadable(name, record)
+    try:
+        entry = decode(name, record)
+    except ScheduleError as exc:
+        why = str(exc).removeprefix(f"schedule entry {name!r}: ")
+        if why.startswith("unreadable stored entry ("):
+            why = why.removeprefix("unreadable stored entry (").removesuffix(")")
+        return _unreadable(name, unreadable(why))
     is_event = entry.event_name is not None
     return StoredEntry(
         name=name,
@@ -377,6 +402,11 @@ def _stored(name: str, raw: bytes | str, due: float | None) -> StoredEntry:
     )
 
 
+def _unreadable(name: str, mark: str) -> StoredEntry:
+    """A record that cannot be read, listed with its mark so that the rest of its page still shows."""
+    return StoredEntry(name, mark, "", "unreadable", "", None, "", {})
+
+
 def _zone(name: str, where: str) -> ZoneInfo:
     try:
         return ZoneInfo(name)
@@ -386,7 +416,3 @@ def _zone(name: str, where: str) -> ZoneInfo:
 
 def _ms(instant: datetime) -> int:
     return round(instant.timestamp() * 1000)
-
-
-def _glob_escaped(prefix: str) -> str:
-    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)

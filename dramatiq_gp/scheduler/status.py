@@ -39,20 +39,28 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
             "epoch": field(info, "epoch", int),
             "expires_at": (now + timedelta(milliseconds=ttl_ms)).isoformat(),
         }
-    last = {text(k): moment(text(v), "last_fired") for k, v in client.hgetall(scheduler.last_fired).items()}
-    published = {text(k): v for k, v in client.hgetall(scheduler.upcoming).items()}
-    paused = {text(k): _paused(v) for k, v in client.hgetall(scheduler.paused).items()}
+    code = sorted(client.hgetall(scheduler.entries).items(), key=lambda item: text(item[0]))
+    names = [key for key, _ in code]
+    last: dict[Any, Any] = {}
+    published: dict[Any, Any] = {}
+    paused: dict[Any, Any] = {}
+    if names:  # only the code entries' fields: these hashes hold the stored entries' too, which may be 100,000
+        with client.pipeline(transaction=False) as pipe:
+            for fields in (scheduler.last_fired, scheduler.upcoming, scheduler.paused):
+                pipe.hmget(fields, names)
+            last, published, paused = (dict(zip(names, values, strict=True)) for values in pipe.execute())
     entries = []
-    for name, trigger_zone in sorted((text(k), text(v)) for k, v in client.hgetall(scheduler.entries).items()):
-        trigger, _, zone = trigger_zone.rpartition("|")
-        last_ms = last.get(name)
+    for key, trigger_zone in code:
+        name = text(key)
+        trigger, _, zone = text(trigger_zone).rpartition("|")
+        last_ms = moment(text(last[key]), "last_fired") if last.get(key) is not None else None
         try:
             where = ZoneInfo(zone)
         except (ZoneInfoNotFoundError, ValueError):
             # Published by a worker whose tz database knows it (another namespace, another image): the
             # entry still shows, in UTC, and says so.
             where, zone = ZoneInfo("UTC"), f"{zone} (unknown here: times in UTC)"
-        fires = _next_fires(trigger, where, published.get(name), now, NEXT_FIRES)
+        fires = _next_fires(trigger, where, published.get(key), now, NEXT_FIRES)
         # Every time of an entry in its own zone; the last fired is None until it first fires.
         entries.append(
             {
@@ -64,7 +72,7 @@ def scheduler_status(client: redis.Redis, scheduler: keys.SchedulerKeys, now: da
                 "last_fired": datetime.fromtimestamp(last_ms / 1000, where).isoformat()
                 if isinstance(last_ms, int)
                 else last_ms,
-                "paused": paused.get(name),
+                "paused": paused_by(paused[key]) if paused.get(key) is not None else None,
             }
         )
     catchup = client.get(scheduler.catchup)
@@ -92,7 +100,7 @@ def _stored(client: redis.Redis, scheduler: keys.SchedulerKeys) -> dict[str, Any
     }
 
 
-def _paused(raw: bytes | str) -> dict[str, Any] | str:
+def paused_by(raw: bytes | str) -> dict[str, Any] | str:
     """Who paused an entry and when; the mark of what cannot be read of it (the entry is paused all the same:
     the leader asks whether it is in the hash, not what it holds)."""
     recorded = json_object(raw)
