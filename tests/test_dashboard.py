@@ -1032,6 +1032,23 @@ def test_a_stored_entry_paused_and_resumed_from_its_page_returns_to_that_page(cl
     ]
 
 
+def test_a_stored_entry_runs_now_from_its_page_and_returns_to_it(clean_env, namespace, rdb, caplog):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    gp.Schedules(rdb, namespace, warn_leaderless=False).add("report.7", "@daily", "report", args=[7])
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        token = browser.csrf("/scheduler/stored")
+        assert ">Run now</button>" in browser.open("/scheduler/stored").body
+        with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
+            ran = browser.open("/scheduler/report.7/run", {"back": "stored", "csrf": token, "confirmed": "yes"})
+    assert ran.url.endswith("/scheduler/stored") and "entry report.7 run now: message " in ran.body
+    (message,) = [json.loads(data) for data in rdb.hvals(f"{namespace}:default.msgs")]
+    assert (message["actor_name"], message["args"]) == ("report", [7])
+    assert next(r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.actions").startswith(
+        "schedule run by anonymous (dashboard, 127.0.0.1): entry report.7"
+    )
+
+
 def test_read_only_lists_the_stored_entries_and_refuses_to_store_or_remove_them(clean_env, namespace, rdb):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     gp.Schedules(rdb, namespace).add("digest.1", "@daily", EventByName("digest.due", {}))

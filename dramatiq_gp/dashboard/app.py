@@ -303,7 +303,7 @@ class _Dashboard:
             request,
             title=f"Run {entry} now?",
             perform=perform,
-            back=request.url_for("scheduler").path,
+            back=await self._back(request),
             consequence="One run is enqueued at once, with an id of its own and now as its scheduled time; the "
             "entry's ticks go on as scheduled. A paused entry runs all the same.",
         )
