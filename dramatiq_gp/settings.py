@@ -840,6 +840,18 @@ class Settings:
         return cls(worker, redis, log, db, outbox, scheduler, otel, sentry, rabbitmq, dashboard)  # type: ignore[arg-type]
 
 
+def settle_window_ms_from_env() -> float:
+    """``WORKER_SETTLE_WINDOW`` in ms, for a broker built directly rather than by the Kit (which passes it).
+
+    Raises:
+        ConfigError: a ``WORKER_*`` variable is invalid; the message names it.
+    """
+    try:
+        return WorkerSettings().settle_window.total_seconds() * 1000
+    except ValidationError as exc:
+        raise ConfigError("invalid configuration: " + "; ".join(_describe(WorkerSettings, exc))) from None
+
+
 def _describe(group: type[BaseSettings], exc: ValidationError) -> list[str]:
     prefix = group.model_config.get("env_prefix") or ""
     lines = []

@@ -22,10 +22,12 @@ import redis
 from dramatiq import Message
 from dramatiq.brokers.redis import RedisBroker
 
+import dramatiq_gp as gp
 from apps.replica import Replica
 from dramatiq_gp.brokers import rabbitmq as rabbitmq_broker
 from dramatiq_gp.brokers.redis import _SCRIPTS
-from helpers import close_broker, wait_for
+from dramatiq_gp.errors import ConfigError
+from helpers import RABBITMQ_URL, close_broker, rabbitmq_unreachable, wait_for
 from servers import OwnRedis
 
 
@@ -217,3 +219,29 @@ def test_on_rabbitmq_a_stop_acks_what_waits_for_its_window(broker, make_kit, sta
     # Acked: a channel closing with it unacked would have put it back.
     assert kit.broker.get_queue_message_counts("default") == (0, 0, 0)
     assert ran == [1]
+
+
+@pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
+def test_a_broker_built_directly_reads_worker_settle_window_as_the_kit_does(kind, clean_env, redis_url, namespace):
+    def build(**options: Any) -> Any:
+        if kind == "redis":
+            return gp.RedisBroker(url=redis_url, namespace=namespace, **options)
+        reason = rabbitmq_unreachable(RABBITMQ_URL)
+        if reason is not None:
+            pytest.skip(reason)
+        client = redis.Redis.from_url(redis_url)
+        return rabbitmq_broker.RabbitmqBroker(url=RABBITMQ_URL, client=client, namespace=namespace, **options)
+
+    clean_env.setenv("WORKER_SETTLE_WINDOW", "0")
+    unbatched = build()
+    assert unbatched.settler is None  # the setting, not the argument's old default of 1 ms
+    clean_env.setenv("WORKER_SETTLE_WINDOW", "7ms")
+    windowed, given = build(), build(settle_window_ms=0)
+    assert windowed.settler is not None and windowed.settler.window_s == pytest.approx(0.007)
+    assert given.settler is None  # an argument wins over the environment
+    clean_env.setenv("WORKER_SETTLE_WINDOW", "soon")
+    with pytest.raises(ConfigError) as refused:
+        build()
+    assert "WORKER_SETTLE_WINDOW" in str(refused.value) and "\n" not in str(refused.value)
+    for broker in (unbatched, windowed, given):
+        close_broker(broker)

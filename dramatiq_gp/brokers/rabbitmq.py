@@ -93,6 +93,7 @@ from .. import keys
 from ..errors import BrokerUnreachable, ConfigError, ConfirmTimeout, QuorumLost
 from ..lua import scripts
 from ..names import is_delay_queue
+from ..settings import settle_window_ms_from_env
 from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, plan_of
 from .done_marks import with_library
 from .publisher import CONFIRM_TIMEOUT_S, BatchPublisher, NoReply, NotConfirmed
@@ -128,14 +129,16 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         queue_type: ``"quorum"`` (replicated; the default) or ``"classic"``.
         confirm_delivery: wait for RabbitMQ's confirm of every send (default on).
         settle_window_ms: how long the settles of finished messages are collected to
-            be written together (``WORKER_SETTLE_WINDOW``); 0 settles each at once.
+            be written together; 0 settles each at once. Not given: ``WORKER_SETTLE_WINDOW``,
+            as the Kit passes it.
         confirm_timeout_ms: how long a send waits for RabbitMQ's confirm before it
             fails with :class:`~dramatiq_gp.errors.ConfirmTimeout` (``RABBITMQ_CONFIRM_TIMEOUT``).
         **options: :class:`dramatiq.brokers.rabbitmq.RabbitmqBroker`'s (``url``,
             ``middleware``, ``max_priority`` with classic queues, pika's parameters).
 
     Raises:
-        ConfigError: an unknown ``queue_type``, or ``max_priority`` with quorum queues.
+        ConfigError: an unknown ``queue_type``, ``max_priority`` with quorum queues, or an
+            invalid ``WORKER_*`` variable when the settle window is not given.
     """
 
     #: A quorum queue delivers as acks come back through the Raft log, which on a slow disk
@@ -157,7 +160,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         unknown_task_grace_ms: int = 300_000,
         queue_type: str = "quorum",
         confirm_delivery: bool = True,
-        settle_window_ms: float = 1,
+        settle_window_ms: float | None = None,
         confirm_timeout_ms: float = CONFIRM_TIMEOUT_S * 1000,
         **options: Any,
     ) -> None:
@@ -185,6 +188,8 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self._counts_lock = threading.Lock()
         #: The open consumers, whose unsettled deliveries the beat records (what AMQP does not count).
         self._consumers: weakref.WeakSet[_Consumer] = weakref.WeakSet()
+        if settle_window_ms is None:
+            settle_window_ms = settle_window_ms_from_env()
         if settle_window_ms > 0:
             self.settler = Settler(
                 self._write_settles,

@@ -89,6 +89,7 @@ from dramatiq.worker import ConsumerThread
 from .. import keys
 from ..lua import scripts
 from ..names import is_delay_queue
+from ..settings import settle_window_ms_from_env
 from .base import (
     DEAD_LETTER_REASON,
     KitBroker,
@@ -148,8 +149,9 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
         unknown_task_grace_ms: how long messages for a task type no actor here
             handles are held before they are skipped (``WORKER_UNKNOWN_TASK_GRACE``).
         settle_window_ms: how long the acks of finished messages are collected to
-            be written in one call (``WORKER_SETTLE_WINDOW``); 0 writes each at once,
-            from the worker thread, as Dramatiq does (see :mod:`.settler`).
+            be written in one call; 0 writes each at once, from the worker thread, as
+            Dramatiq does (see :mod:`.settler`). Not given: ``WORKER_SETTLE_WINDOW``, as
+            the Kit passes it.
         **options: :class:`dramatiq.brokers.redis.RedisBroker`'s (``url``, ``client``,
             ``namespace``, ``middleware``, ``heartbeat_timeout``, ``dead_message_ttl``,
             Redis connection parameters...).
@@ -158,12 +160,16 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
     #: The queues are in ``client``: the scheduler's claim of a tick enqueues it in the same Lua call.
     queues_in_client = True
 
-    def __init__(self, *, unknown_task_grace_ms: int = 300_000, settle_window_ms: float = 1, **options: Any) -> None:
+    def __init__(
+        self, *, unknown_task_grace_ms: int = 300_000, settle_window_ms: float | None = None, **options: Any
+    ) -> None:
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
         self._hooks_for = 0  # how many middleware the cache was built for
         super().__init__(**options)  # type: ignore[no-untyped-call]
         self.unknown_task_grace_ms = unknown_task_grace_ms
         self.settler: Settler[Settle] | None = None
+        if settle_window_ms is None:
+            settle_window_ms = settle_window_ms_from_env()
         if settle_window_ms > 0:
             self.settler = Settler(self._write_settles, self._give_up_settles, window_s=settle_window_ms / 1000)
         self._scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
