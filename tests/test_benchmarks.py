@@ -9,7 +9,9 @@ import pytest
 from benchmarks.__main__ import BENCHMARKS
 
 
-@pytest.mark.parametrize("name", [*BENCHMARKS, "outbox_child", "outbox_common", "overhead_worker", "soak_tables"])
+@pytest.mark.parametrize(
+    "name", [*BENCHMARKS, "outbox_child", "outbox_common", "overhead_worker", "soak_tables", "stored_schedules"]
+)
 def test_the_benchmark_module_imports(name):
     module = importlib.import_module(f"benchmarks.{name}")
     assert module.__doc__
