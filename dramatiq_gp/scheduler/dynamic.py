@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any, Literal, cast
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo
 
 import redis
 from apscheduler.triggers.base import BaseTrigger
@@ -53,7 +53,7 @@ from ..names import EVENT_QUEUE, NAME
 from ..records import json_object, text, unreadable
 from ..settings import QUEUE_NAME
 from .cron import CronError, parse
-from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known
+from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known, zone_named
 from .triggers import SpecTrigger
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class Schedules:
         warn_leaderless: bool = True,
     ) -> None:
         self.client, self.keys = client, keys.SchedulerKeys(namespace)
-        self.zone = _zone(timezone, "SCHEDULER_TIMEZONE")
+        self.zone = zone_named(timezone, "SCHEDULER_TIMEZONE")
         self._schedule, self._broker = schedule, broker
         self._add = client.register_script(_SCRIPTS["add"])
         self._remove = client.register_script(_SCRIPTS["remove"])
@@ -165,7 +165,7 @@ class Schedules:
             raise ScheduleError(f"{where}: a name is letters, digits, '_', '.', '-'")
         if self._schedule is not None and any(entry.name == name for entry in self._schedule):
             raise ScheduleError(f"{where} is defined in code: a stored entry may not take its name")
-        zone = self.zone if tz is None else _zone(tz, where)
+        zone = self.zone if tz is None else zone_named(tz, where)
         if OVERLAP_OPTION in options:
             raise ScheduleError(f"{where}: give overlap=, not {OVERLAP_OPTION}=")
         if overlap not in OVERLAPS:
@@ -326,7 +326,7 @@ def decode(name: str, record: Mapping[str, Any]) -> Entry:
     """
     where = f"schedule entry {name!r}"
     try:
-        zone = _zone(record["zone"], where)
+        zone = zone_named(record["zone"], where)
         trigger = _trigger(json.dumps(record["trigger"], sort_keys=True), zone.key)
         queue, options = record["queue"], record.get("options") or {}
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
@@ -405,13 +405,6 @@ def _stored(name: str, raw: bytes | str, due: float | None) -> StoredEntry:
 def _unreadable(name: str, mark: str) -> StoredEntry:
     """A record that cannot be read, listed with its mark so that the rest of its page still shows."""
     return StoredEntry(name, mark, "", "unreadable", "", None, "", {})
-
-
-def _zone(name: str, where: str) -> ZoneInfo:
-    try:
-        return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError, TypeError):
-        raise ScheduleError(f"{where}: {name!r} is not an IANA time zone (e.g. UTC, Europe/Budapest)") from None
 
 
 def _ms(instant: datetime) -> int:

@@ -103,7 +103,7 @@ class Entry:
         """The first fire strictly after ``after``; ``None`` when it fires no more."""
         return first_at_or_after(self.trigger, just_after(after))
 
-    def in_zone(self, zone: ZoneInfo) -> Entry:
+    def inzone_named(self, zone: ZoneInfo) -> Entry:
         """This entry evaluated in ``zone``, unless it gave its own (``tz=``) or its trigger has its own."""
         if self.fixed_zone:
             return self
@@ -121,7 +121,7 @@ class Schedule:
 
     @one_line_at_start_up
     def __init__(self, timezone: str = "UTC", *, known_options: set[str] | None = None) -> None:
-        self.zone = _zone(timezone, "the schedule")
+        self.zone = zone_named(timezone, "the schedule")
         self._known_options = known_options
         self._entries: dict[str, Entry] = {}
 
@@ -239,8 +239,8 @@ class Schedule:
     @one_line_at_start_up
     def use_timezone(self, timezone: str) -> None:
         """Evaluate the entries that gave no ``tz=`` of their own in ``timezone`` (``SCHEDULER_TIMEZONE``)."""
-        self.zone = _zone(timezone, "the schedule")
-        self._entries = {name: entry.in_zone(self.zone) for name, entry in self._entries.items()}
+        self.zone = zone_named(timezone, "the schedule")
+        self._entries = {name: entry.inzone_named(self.zone) for name, entry in self._entries.items()}
 
     @one_line_at_start_up
     def check_options(self, known: set[str]) -> None:
@@ -260,7 +260,7 @@ class Schedule:
             ScheduleError: an entry name is taken here already.
         """
         for entry in other:
-            self._add(entry.in_zone(self.zone))
+            self._add(entry.inzone_named(self.zone))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -292,7 +292,7 @@ class Schedule:
     def _common(self, name: str, spec: When, tz: str | None, options: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ScheduleError(f"schedule entry {name!r}: a name is letters, digits, '_', '.', '-'")
-        zone = self.zone if tz is None else _zone(tz, f"schedule entry {name!r}")
+        zone = self.zone if tz is None else zone_named(tz, f"schedule entry {name!r}")
         if isinstance(spec, BaseTrigger):
             trigger = spec
         elif isinstance(spec, str):
@@ -331,7 +331,12 @@ def check_known(name: str, options: Mapping[str, Any], known: set[str]) -> None:
         raise ScheduleError(f"schedule entry {name!r}: unknown option(s) {', '.join(sorted(unknown))}")
 
 
-def _zone(name: str, where: str) -> ZoneInfo:
+def zone_named(name: str, where: str) -> ZoneInfo:
+    """The IANA zone ``name``.
+
+    Raises:
+        ScheduleError: no such zone; the message starts with ``where``.
+    """
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, TypeError):
