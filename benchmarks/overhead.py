@@ -29,10 +29,14 @@ nothing in the worker, and watches the queue drain from outside. Variants:
   spans go through a batch span processor to an exporter that discards them,
   and Sentry is initialised with its DSN at a local endpoint (per-message
   isolation scopes; nothing fails, so nothing is sent);
-* with ``--peers``: ``celery_threads`` (Celery's threads pool, acks late) and
-  ``arq`` (``max_jobs`` = threads), each on the same Redis, each installed into a
-  throwaway virtualenv of its own (``--peers-venv``) only when asked for. Both
-  log their per-task INFO lines to a file, like ``kit``.
+* with ``--peers`` (or named in ``--variants``): ``celery_threads`` (Celery's
+  threads pool, acks late), ``arq`` (``max_jobs`` = threads), ``rq`` (its
+  ``SimpleWorker``: no fork, one job at a time) and ``huey`` (``RedisHuey``, a
+  consumer of ``threads`` worker threads), each on the same Redis, each installed
+  into a throwaway virtualenv of its own (``--peers-venv``) only when asked for.
+  Each logs its per-task INFO lines to a file, like ``kit``, and keeps no result.
+  rq runs ``--rq-messages`` (default 2,000) per round: one job at a time, it
+  moves about a hundred a second.
 
 With ``--broker rabbitmq`` (and ``--rabbitmq-url``) each Dramatiq variant's queue
 is on RabbitMQ: ``bare`` is Dramatiq's ``RabbitmqBroker`` with its defaults (a
@@ -54,12 +58,20 @@ to help bare. ``--prefetch N`` skips the sweep.
 Messages are enqueued before the worker starts. The driver polls the queue's
 outstanding count (Redis, every 5 ms) and reads the worker's CPU time (user + system
 of every thread, ``/proc/<pid>/stat``) when the first 10% have been processed and
-again when 10% are left: start-up and the drain are outside the window. Reported per
-variant, median over the alternating rounds: CPU µs per message (the primary figure,
-lower is better), messages per second, the share of its core the worker used, and
-its resident memory. Each CPU ratio (``cpu_ratio``...) is the median of the rounds'
-ratios, each round's variant over the bare run of the same round; beside it,
-``<ratio>_of_medians`` is the variant's median over bare's.
+again when 10% are left: start-up and the drain are outside the window. Redis's own
+CPU (``INFO cpu``: ``used_cpu_user`` + ``used_cpu_sys``) is read at the same two
+moments, since a system that moves work into Redis would look cheap otherwise; it
+counts everything that Redis served meanwhile, so give the benchmark a Redis of its
+own (``REDIS_URL``) on a machine shared with others. The driver's polling alone
+costs Redis a little (``redis_idle_cpu_us_per_s``, measured before the rounds):
+nothing beside thousands of messages a second, a share of a slow system's figure.
+Reported per variant, median over the alternating rounds: CPU µs per message of the
+worker (the primary figure, lower is better), of Redis, and their total
+(``<variant>_redis_cpu_us_per_msg``, ``<variant>_total_cpu_us_per_msg``), messages
+per second, the share of its core the worker used, and its resident memory. Each CPU
+ratio (``cpu_ratio``...) is the median of the rounds' ratios, each round's variant
+over the bare run of the same round; beside it, ``<ratio>_of_medians`` is the
+variant's median over bare's.
 """
 
 from __future__ import annotations
@@ -102,6 +114,8 @@ class Run:
     rss_mb: float
     #: CPU spent in garbage collection per message, over the whole run (reported by a Dramatiq worker; else None).
     gc_us_per_msg: float | None = None
+    #: Redis's CPU per message over the same window (the whole server's: anything else it served is in it).
+    redis_cpu_us_per_msg: float | None = None
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -109,6 +123,28 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _redis_cpu_seconds(client: redis.Redis) -> float:
+    """User + system time of the Redis server, in seconds (``INFO cpu``; getrusage, microseconds)."""
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+def _redis_idle_cpu_us_per_s(redis_url: str, seconds: float = 2.0) -> float:
+    """Redis's CPU per second with no worker, the driver polling as in a run: what a slow system's figure carries."""
+    client = redis.Redis.from_url(redis_url)
+    key = f"gpbench-idle-{uuid.uuid4().hex[:8]}"
+    try:
+        start, cpu = time.perf_counter(), _redis_cpu_seconds(client)
+        while time.perf_counter() - start < seconds:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.llen(key).llen(key).zcard(key)
+                pipe.execute()
+            time.sleep(POLL_S)
+        return (_redis_cpu_seconds(client) - cpu) / (time.perf_counter() - start) * 1e6
+    finally:
+        client.close()
 
 
 def _rss_mb(pid: int) -> float:
@@ -184,14 +220,14 @@ def run_one(
                 raise RuntimeError(f"{variant}: the worker did not get ready:\n{_tail(err)}")
             deadline = time.monotonic() + timeout
             start_at, stop_at = messages - int(messages * WARMUP), int(messages * TAIL)
-            first: tuple[float, int, float] | None = None
+            first: tuple[float, int, float, float] | None = None
             while True:
                 left = outstanding()
                 now = time.perf_counter()
                 if first is None and left <= start_at:
-                    first = (now, left, _cpu_seconds(proc.pid))
+                    first = (now, left, _cpu_seconds(proc.pid), _redis_cpu_seconds(client))
                 if first is not None and left <= stop_at:
-                    last = (now, left, _cpu_seconds(proc.pid))
+                    last = (now, left, _cpu_seconds(proc.pid), _redis_cpu_seconds(client))
                     rss = _rss_mb(proc.pid)
                     break
                 if proc.poll() is not None:
@@ -234,7 +270,12 @@ def run_one(
     done, wall, cpu = first[1] - last[1], last[0] - first[0], last[2] - first[2]
     gc_us = gc_s / messages * 1e6 if gc_s is not None else None
     return Run(
-        msgs_per_s=done / wall, cpu_us_per_msg=cpu / done * 1e6, core_busy=cpu / wall, rss_mb=rss, gc_us_per_msg=gc_us
+        msgs_per_s=done / wall,
+        cpu_us_per_msg=cpu / done * 1e6,
+        core_busy=cpu / wall,
+        rss_mb=rss,
+        gc_us_per_msg=gc_us,
+        redis_cpu_us_per_msg=(last[3] - first[3]) / done * 1e6,
     )
 
 
@@ -260,7 +301,9 @@ class _ReadyOnRabbitmq:
 
 def _line(label: str, run: Run) -> str:
     return (
-        f"{label}: {run.cpu_us_per_msg:5.0f} µs CPU/msg, {run.msgs_per_s:6.0f} msg/s, "
+        f"{label}: {run.cpu_us_per_msg:5.0f} µs CPU/msg"
+        + (f" (+{run.redis_cpu_us_per_msg:4.0f} Redis)" if run.redis_cpu_us_per_msg is not None else "")
+        + f", {run.msgs_per_s:6.0f} msg/s, "
         f"core {run.core_busy:4.2f} busy, {run.rss_mb:5.1f} MB"
         + (f", {run.gc_us_per_msg:4.1f} µs GC/msg" if run.gc_us_per_msg is not None else "")
     )
@@ -275,8 +318,8 @@ def _median(runs: list[Run]) -> Run:
 
 
 #: What each peer's throwaway virtualenv gets (one each: arq wants redis<6, the newest Celery's kombu more).
-PEER_PACKAGES = {"celery_threads": ("celery[redis]",), "arq": ("arq",)}
-PEER_MODULES = {"celery_threads": "celery", "arq": "arq"}
+PEER_PACKAGES = {"celery_threads": ("celery[redis]",), "arq": ("arq",), "rq": ("rq",), "huey": ("huey", "redis")}
+PEER_MODULES = {"celery_threads": "celery", "arq": "arq", "rq": "rq", "huey": "huey"}
 
 
 def peer_python(root: Path, peer: str) -> str:
@@ -315,8 +358,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
     parser.add_argument("--io-threads", default="64", help="the I/O variants' other thread counts")
     parser.add_argument("--io-messages", type=int, default=40, help="the I/O variants' messages per worker thread")
-    parser.add_argument("--peers", action="store_true", help="also run Celery (threads) and arq")
+    parser.add_argument("--peers", action="store_true", help="also run Celery (threads), arq, rq and Huey")
     parser.add_argument("--peers-venv", type=Path, default=Path(tempfile.gettempdir()) / "dramatiq-gp-bench-peers")
+    parser.add_argument(
+        "--rq-messages", type=int, default=2_000, help="rq's messages per round (one job at a time: about 100 a second)"
+    )
     parser.add_argument("--core", type=int, help="the core the workers run on (default: the last one available)")
     parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis", help="where the queue lives")
     parser.add_argument("--rabbitmq-url", default=os.environ.get("RABBITMQ_URL", DEFAULT_RABBITMQ_URL))
@@ -325,7 +371,9 @@ def main(argv: list[str]) -> int:
         parser.error("--peers runs on Redis only")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - set(VARIANTS)
+    if args.peers:
+        variants += [peer for peer in PEERS if peer not in variants]
+    unknown = set(variants) - set(VARIANTS) - set(PEERS)
     if unknown:
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
 
@@ -345,9 +393,7 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
         os.sched_setaffinity(0, cores - {core})  # the driver keeps off the workers' core
     print(f"workers pinned to core {core}; driver on {sorted(cores - {core}) or [core]}", flush=True)
     python = {v: sys.executable for v in VARIANTS}
-    if args.peers:
-        python.update({peer: peer_python(args.peers_venv, peer) for peer in PEERS})
-        variants += PEERS
+    python.update({peer: peer_python(args.peers_venv, peer) for peer in PEERS if peer in variants})
     rabbitmq_url = args.rabbitmq_url if args.broker == "rabbitmq" else None
     common = {
         "threads": args.threads,
@@ -378,12 +424,15 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
     else:
         prefetch = args.prefetch
     print(f"every variant at prefetch {prefetch}", flush=True)
+    if args.broker == "redis":
+        idle = summary["redis_idle_cpu_us_per_s"] = round(_redis_idle_cpu_us_per_s(redis_url))
+        print(f"Redis with no worker, polled by the driver: {idle} µs CPU per second", flush=True)
 
     # (label, variant, threads, messages): the I/O variants again at each of --io-threads, labelled with it.
     plan = []
     for variant in variants:
         if variant not in IO_VARIANTS:
-            plan.append((variant, variant, args.threads, args.messages))
+            plan.append((variant, variant, args.threads, args.rq_messages if variant == "rq" else args.messages))
             continue
         for n, threads in enumerate([args.threads, *(int(t) for t in args.io_threads.split(",") if t)]):
             plan.append((f"{variant}_{threads}" if n else variant, variant, threads, threads * args.io_messages))
@@ -399,6 +448,15 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
     medians = {v: _median(runs) for v, runs in results.items()}
     for variant, run in medians.items():
         summary[f"{variant}_cpu_us_per_msg"] = round(run.cpu_us_per_msg)
+        if run.redis_cpu_us_per_msg is not None:
+            summary[f"{variant}_redis_cpu_us_per_msg"] = round(run.redis_cpu_us_per_msg)
+            # The median of the rounds' own sums, not the sum of the two medians.
+            totals = [
+                r.cpu_us_per_msg + r.redis_cpu_us_per_msg
+                for r in results[variant]
+                if r.redis_cpu_us_per_msg is not None
+            ]
+            summary[f"{variant}_total_cpu_us_per_msg"] = round(statistics.median(totals))
         summary[f"{variant}_msgs_per_s"] = round(run.msgs_per_s)
         if run.gc_us_per_msg is not None:
             summary[f"{variant}_gc_us_per_msg"] = round(run.gc_us_per_msg, 1)

@@ -8,7 +8,7 @@ process: the driver watches the queue from its own process and reads this one's
 CPU time from ``/proc``.
 
 Only the standard library is imported at the top, so a virtualenv without Dramatiq
-(the peers': Celery and arq) can run this module too.
+(the peers': Celery, arq, rq and Huey) can run this module too.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ IO_WAIT_S = 0.05
 DB_VARIANTS = ("db_listener", "inbox", "inbox_noclaim")
 #: The table those listeners write one row per message to.
 EFFECTS = "gp_bench_effects"
-PEERS = ("celery_threads", "arq")
+PEERS = ("celery_threads", "arq", "rq", "huey")
 QUEUE = "bench"
 
 
@@ -55,14 +55,25 @@ def outstanding_keys(variant: str, namespace: str) -> list[tuple[str, str]]:
         return [("llen", f"{namespace}.{QUEUE}"), ("hlen", f"{namespace}:unacked")]
     if variant == "arq":  # a job leaves the queue's sorted set when it finishes
         return [("zcard", f"{namespace}:queue")]
+    if variant == "rq":  # RQ_KEY_PREFIX = namespace: queued, moved to the intermediate list, then running (wip)
+        queue = f"{namespace}:queue:{QUEUE}"
+        return [("llen", queue), ("llen", f"{queue}:intermediate"), ("zcard", f"{namespace}:wip:{QUEUE}")]
+    if variant == "huey":
+        # Huey keeps no record of a task it has popped: the (at most ``threads``) running ones are not counted.
+        return [("llen", f"huey.redis.{namespace}")]
     return [("hlen", f"{namespace}:{QUEUE}.msgs")]  # Dramatiq's (and the kit's) messages hash, acked = deleted
 
 
-def _log_to_file(variant: str) -> str:
-    """INFO to a temporary file (not a terminal), as the docs recommend for the kit's task log."""
+def _log_file(variant: str) -> str:
     fd, path = tempfile.mkstemp(prefix=f"gp-bench-{variant}-", suffix=".log")
     os.close(fd)
-    logging.basicConfig(level=logging.INFO, filename=path, force=True)
+    return path
+
+
+def _log_to_file(variant: str, **formats: str) -> str:
+    """INFO to a temporary file (not a terminal), as the docs recommend for the kit's task log."""
+    path = _log_file(variant)
+    logging.basicConfig(level=logging.INFO, filename=path, force=True, **formats)
     return path
 
 
@@ -378,6 +389,63 @@ def run_arq(messages: int, threads: int, prefetch: int, namespace: str, redis_ur
     os.unlink(log_path)
 
 
+def peer_noop(n: int) -> None:
+    """rq's task: a function it imports by name in the worker."""
+
+
+def run_rq(messages: int, namespace: str, redis_url: str) -> None:
+    """rq's ``SimpleWorker`` (the job runs in the worker process, no fork), one job at a time, results not kept.
+
+    rq has no threads: ``--threads`` and ``--prefetch`` do not apply (it pops one job when it is free).
+    """
+    os.environ["RQ_KEY_PREFIX"] = namespace  # read at import: every rq key in the namespace, cleaned up after
+
+    from redis import Redis
+    from rq import Queue, SimpleWorker
+    from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
+
+    # What ``rq worker`` prints to stdout, here to a file (no terminal: no colours).
+    log_path = _log_to_file("rq", format=DEFAULT_LOGGING_FORMAT, datefmt=DEFAULT_LOGGING_DATE_FORMAT)
+    connection = Redis.from_url(redis_url)
+    queue = Queue(QUEUE, connection=connection)
+    for start in range(0, messages, 1000):
+        jobs = [
+            Queue.prepare_data("benchmarks.overhead_worker.peer_noop", args=(n,), result_ttl=0)
+            for n in range(start, min(start + 1000, messages))
+        ]
+        with connection.pipeline() as pipe:
+            queue.enqueue_many(jobs, pipeline=pipe)
+            pipe.execute()
+    _ready()
+    SimpleWorker([queue], connection=connection).work(logging_level="INFO")
+    os.unlink(log_path)
+
+
+def run_huey(messages: int, threads: int, namespace: str, redis_url: str) -> None:
+    """Huey's ``RedisHuey`` consumer as ``huey_consumer -k thread -w THREADS -l FILE`` runs it; None is not stored."""
+    from huey import RedisHuey
+    from huey.consumer_options import ConsumerConfig
+
+    log_path = _log_file("huey")
+    huey = RedisHuey(namespace, url=redis_url, clean_name=False)  # the queue is the list huey.redis.<namespace>
+
+    @huey.task(name="noop")
+    def noop(n: int) -> None:
+        pass
+
+    storage = huey.storage
+    for start in range(0, messages, 1000):
+        tasks = [huey.serialize_task(noop.s(n)) for n in range(start, min(start + 1000, messages))]
+        storage.conn.lpush(storage.queue_key, *tasks)  # what noop(n) does, one LPUSH per 1,000 instead of each
+    config = ConsumerConfig(workers=threads, worker_type="thread", logfile=log_path)
+    config.validate()
+    config.setup_logger(logging.getLogger("huey"))  # as huey_consumer does
+    consumer = huey.create_consumer(**config.values)
+    _ready()
+    consumer.run()
+    os.unlink(log_path)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead_worker", description=__doc__)
     parser.add_argument("--variant", choices=DRAMATIQ_VARIANTS + PEERS, required=True)
@@ -395,6 +463,10 @@ def main(argv: list[str]) -> int:
         run_celery(args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
     elif args.variant == "arq":
         run_arq(args.messages, args.threads, args.prefetch, args.namespace, args.redis_url)
+    elif args.variant == "rq":
+        run_rq(args.messages, args.namespace, args.redis_url)
+    elif args.variant == "huey":
+        run_huey(args.messages, args.threads, args.namespace, args.redis_url)
     else:
         run_dramatiq(
             args.variant,
