@@ -269,9 +269,7 @@ def _redis_cpu_seconds(client: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-def run_cli(
-    variant: str, *, messages: int, threads: int, prefetch: int, core: int, redis_url: str, **_: Any
-) -> Run:
+def run_cli(variant: str, *, messages: int, threads: int, prefetch: int, core: int, redis_url: str, **_: Any) -> Run:
     """Run ``variant`` as a user deploys it: ``dramatiq -p 1 -t <threads> benchmarks.overhead_app --log-file F``.
 
     The messages are put on the queue first (``python -m benchmarks.overhead_app``);
@@ -331,7 +329,7 @@ def run_cli(
                 stdin=subprocess.DEVNULL,
                 stdout=err,
                 stderr=err,
-                preexec_fn=lambda: os.sched_setaffinity(0, {core}),  # noqa: PLW1509 (nothing threaded here yet)
+                preexec_fn=lambda: os.sched_setaffinity(0, {core}),
             )
             try:
                 deadline = time.monotonic() + timeout
@@ -579,9 +577,8 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
         if base in medians and variant in medians:
             # Each round's variant against that round's bare, run beside it: the load of the shared machine
             # moves both, so the median of these is the steadier figure, the one targets are held to.
-            per_round = [
-                run.cpu_us_per_msg / bare.cpu_us_per_msg for run, bare in zip(results[variant], results[base], strict=True)
-            ]
+            pairs = zip(results[variant], results[base], strict=True)
+            per_round = [run.cpu_us_per_msg / bare.cpu_us_per_msg for run, bare in pairs]
             summary[key] = round(statistics.median(per_round), 3)
             summary[f"{key}_of_medians"] = round(medians[variant].cpu_us_per_msg / medians[base].cpu_us_per_msg, 3)
     for variant, run in medians.items():
