@@ -12,6 +12,13 @@ multiprocessing finalizer, which ``Process`` runs on its way out.
 
 The kit never replaces what the application set up itself: a tracer or meter
 provider already installed, or a Sentry client already initialised, is used as is.
+
+Under the ``dramatiq`` command, a worker process writes its log lines to the
+command's destination itself (:class:`DirectStream`), not through the pipe the CLI
+relays them through. Dramatiq internals this relies on (docs/internals.md, 14): the
+CLI's handler writes to a ``dramatiq.compat.StreamablePipe``, and the frame of
+``dramatiq.cli.worker_process`` (or ``fork_process``) holds the parsed ``args``,
+``args.log_file`` among them.
 """
 
 from __future__ import annotations
