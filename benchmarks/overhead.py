@@ -29,6 +29,17 @@ nothing in the worker, and watches the queue drain from outside. Variants:
   spans go through a batch span processor to an exporter that discards them,
   and Sentry is initialised with its DSN at a local endpoint (per-message
   isolation scopes; nothing fails, so nothing is sent);
+* ``default``: the kit as a user deploys it, through the real ``dramatiq`` command
+  (``dramatiq -p 1 -t <threads> benchmarks.overhead_app --log-file F``, the
+  command and its worker process pinned to the workers' core) at its defaults
+  (``gp.Kit()``: the INFO task log, the kit's own prefetch, not the sweep's). Its
+  CPU is the command's parent's, plus its worker process's, plus Redis's
+  (``INFO cpu``, over the same window; reported apart as
+  ``default_{parent,workers,redis}_us_per_msg``). After the command has stopped
+  on SIGTERM, its log file must hold a ``task done`` line for every message;
+* ``bare_default``: stock Dramatiq (``RedisBroker``) through the command the same
+  way, at bare's best prefetch; run whenever ``default`` is. ``default_cpu_ratio``
+  is ``default`` over it (on Redis only: both are left out with ``--broker rabbitmq``);
 * with ``--peers``: ``celery_threads`` (Celery's threads pool, acks late) and
   ``arq`` (``max_jobs`` = threads), each on the same Redis, each installed into a
   throwaway virtualenv of its own (``--peers-venv``) only when asked for. Both
