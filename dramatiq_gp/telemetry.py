@@ -265,17 +265,16 @@ class DirectStream:
         self._writing = threading.Lock()
         self._pid: int | None = None
         self._exiting = False
-        multiprocessing.util.Finalize(None, self._flush_at_exit, exitpriority=-100)  # after telemetry's (100)
 
     def write(self, text: str) -> None:
+        if self._pid != os.getpid():
+            self._start()
         data = text.encode("utf-8", errors="replace")
         if len(data) > self.limit:
             self.flush()
             self.relay.write(text)
             return
         self._queued.append(data)
-        if self._pid != os.getpid():
-            self._start()
         if self._exiting:
             self.flush()
 
@@ -303,8 +302,14 @@ class DirectStream:
             view = view[os.write(self.fd, view) :]
 
     def _start(self) -> None:
+        """Start this process's writer thread and exit flush (again in a process forked from one that wrote)."""
+        if self._pid is not None:
+            self._queued.clear()  # the forking process's lines: it writes them itself
+            self._writing = threading.Lock()
         self._pid = os.getpid()
         threading.Thread(target=self._run, name="dramatiq_gp.log_writer", daemon=True).start()
+        # After telemetry's flush (exitpriority 100), which logs.
+        multiprocessing.util.Finalize(None, self._flush_at_exit, exitpriority=-100)
 
     def _run(self) -> None:
         while True:

@@ -224,3 +224,20 @@ def test_to_a_pipe_lines_stay_whole_and_a_line_longer_than_pipe_buf_goes_through
     lines = text.splitlines()
     assert all(line.startswith("[") for line in lines), [line[:80] for line in lines if not line.startswith("[")][:3]
     assert all(f"task done task_type=quick task_id={message_id}" in text for message_id in ids)
+
+
+def test_a_process_forked_by_a_task_writes_its_own_lines_once_and_not_the_workers_again(
+    start, send, tmp_path, redis_url, namespace
+):
+    log = tmp_path / "dramatiq.log"
+    command = start("--log-file", str(log), GP_TEST_LOG_HOLD_S="60")  # the worker's lines wait, queued, at the fork
+    ids = [send("quick", n) for n in range(10)]
+    wait_for(lambda: _count(redis_url, namespace, "quick") == 10, timeout=30)
+    send("forks")
+    wait_for(lambda: _count(redis_url, namespace, "forks") == 1, timeout=30)
+    assert "a line from a forked child" in log.read_text()  # the child's exit wrote it
+    assert command.stop() == 0
+    text = log.read_text()
+    assert text.count("a line from a forked child") == 1
+    for message_id in ids:
+        assert text.count(f"task done task_type=quick task_id={message_id}") == 1

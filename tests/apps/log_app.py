@@ -45,3 +45,18 @@ def says(size: int) -> None:
     """Logs where the root handler writes, then a line of ``size`` characters (a long one goes another way)."""
     logger.info("root handler writes to %s", type(logging.getLogger().handlers[0].stream).__name__)
     logger.info("long line %s end", "x" * size)
+
+
+def _child() -> None:
+    logger.info("a line from a forked child")
+
+
+@dramatiq.actor(broker=broker, queue_name="default")
+def forks() -> None:
+    """Runs a child process (forked) that logs one line, as a task using ``multiprocessing`` would."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_child)
+    child.start()
+    child.join()
+    broker.client.incr(f"{broker.namespace}:test:forks")
