@@ -29,6 +29,17 @@ nothing in the worker, and watches the queue drain from outside. Variants:
   spans go through a batch span processor to an exporter that discards them,
   and Sentry is initialised with its DSN at a local endpoint (per-message
   isolation scopes; nothing fails, so nothing is sent);
+* ``default``: the kit as a user deploys it, through the real ``dramatiq`` command
+  (``dramatiq -p 1 -t <threads> benchmarks.overhead_app --log-file F``, the
+  command and its worker process pinned to the workers' core) at its defaults
+  (``gp.Kit()``: the INFO task log, the kit's own prefetch, not the sweep's). Its
+  CPU is the command's parent's, plus its worker process's, plus Redis's
+  (``INFO cpu``, over the same window; reported apart as
+  ``default_{parent,workers,redis}_us_per_msg``). After the command has stopped
+  on SIGTERM, its log file must hold a ``task done`` line for every message;
+* ``bare_default``: stock Dramatiq (``RedisBroker``) through the command the same
+  way, at bare's best prefetch; run whenever ``default`` is. ``default_cpu_ratio``
+  is ``default`` over it (on Redis only: both are left out with ``--broker rabbitmq``);
 * with ``--peers`` (or named in ``--variants``): ``celery_threads`` (Celery's
   threads pool, acks late), ``arq`` (``max_jobs`` = threads), ``rq`` (its
   ``SimpleWorker``: no fork, one job at a time) and ``huey`` (``RedisHuey``, a
@@ -95,11 +106,19 @@ from typing import IO, Any
 import redis
 
 from benchmarks.outbox_common import DEFAULT_RABBITMQ_URL, delete_rabbitmq_queues, scratch_database
-from benchmarks.overhead_worker import DB_VARIANTS, DRAMATIQ_VARIANTS, IO_VARIANTS, PEERS, outstanding_keys, queue_name
+from benchmarks.overhead_worker import (
+    CLI_VARIANTS,
+    DB_VARIANTS,
+    DRAMATIQ_VARIANTS,
+    IO_VARIANTS,
+    PEERS,
+    outstanding_keys,
+    queue_name,
+)
 from devtools.services import services
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = DRAMATIQ_VARIANTS
+VARIANTS = DRAMATIQ_VARIANTS + CLI_VARIANTS
 SWEEP = "16,64,128,256,512"
 #: The measurement window: from this share of the messages processed until this share is left.
 WARMUP = TAIL = 0.1
@@ -116,6 +135,10 @@ class Run:
     gc_us_per_msg: float | None = None
     #: Redis's CPU per message over the same window (the whole server's: anything else it served is in it).
     redis_cpu_us_per_msg: float | None = None
+    #: The variants run through the ``dramatiq`` command: ``cpu_us_per_msg`` is the sum of these three.
+    parent_us_per_msg: float | None = None
+    workers_us_per_msg: float | None = None
+    redis_us_per_msg: float | None = None
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -279,6 +302,144 @@ def run_one(
     )
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, their children and so on (``/proc/<pid>/task/<tid>/children``)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        with contextlib.suppress(OSError), os.scandir(f"/proc/{parent}/task") as tasks:
+            for task in tasks:
+                with contextlib.suppress(OSError), open(f"{task.path}/children") as children:
+                    todo += [int(child) for child in children.read().split()]
+        if parent != pid:
+            found.append(parent)
+    return found
+
+
+def _redis_cpu_seconds(client: redis.Redis) -> float:
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
+def run_cli(variant: str, *, messages: int, threads: int, prefetch: int, core: int, redis_url: str, **_: Any) -> Run:
+    """Run ``variant`` as a user deploys it: ``dramatiq -p 1 -t <threads> benchmarks.overhead_app --log-file F``.
+
+    The messages are put on the queue first (``python -m benchmarks.overhead_app``);
+    the command (its parent and its worker process) is pinned to ``core``. Its CPU
+    is the parent's plus every worker process's, plus Redis's (``INFO cpu``: the
+    server is shared, so anything else using it at the time counts too). ``default``
+    runs at the kit's own prefetch, ``bare_default`` at ``prefetch``; ``default`` also
+    checks that its log file has a ``task done`` line for every message after the
+    command exited on SIGTERM.
+    """
+    namespace = f"gpbench-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(redis_url)
+    keys = outstanding_keys(variant, namespace)
+
+    def outstanding() -> int:
+        with client.pipeline(transaction=False) as pipe:
+            for command, key in keys:
+                getattr(pipe, command)(key)
+            return sum(pipe.execute())
+
+    env = {**os.environ, "GPBENCH_VARIANT": variant, "VALKEY_NAMESPACE": namespace, "REDIS_URL": redis_url}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for name in ("LOG_LEVEL", "LOG_FORMAT", "SENTRY_DSN", "dramatiq_queue_prefetch"):
+        env.pop(name, None)  # the defaults
+    if variant == "bare_default":
+        env["dramatiq_queue_prefetch"] = str(prefetch)
+    timeout = 60 + messages / 100
+    with tempfile.TemporaryDirectory(prefix="gp-bench-cli-") as tmp:
+        log_path = Path(tmp) / "dramatiq.log"
+        fill = subprocess.run(
+            [sys.executable, "-m", "benchmarks.overhead_app", str(messages)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if fill.returncode:
+            raise RuntimeError(f"{variant}: filling the queue failed:\n{fill.stderr[-3000:]}")
+        command = [
+            sys.executable,
+            "-m",
+            "dramatiq",
+            "-p",
+            "1",
+            "-t",
+            str(threads),
+            "benchmarks.overhead_app",
+            "--log-file",
+            str(log_path),
+        ]
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=err,
+                preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+            )
+            try:
+                deadline = time.monotonic() + timeout
+                start_at, stop_at = messages - int(messages * WARMUP), int(messages * TAIL)
+                first: tuple[float, int, float, float, float] | None = None
+
+                def sample(left: int) -> tuple[float, int, float, float, float]:
+                    workers = sum(_cpu_seconds(pid) for pid in _descendants(proc.pid))
+                    return time.perf_counter(), left, _cpu_seconds(proc.pid), workers, _redis_cpu_seconds(client)
+
+                while True:
+                    left = outstanding()
+                    if first is None and left <= start_at:
+                        first = sample(left)
+                    if first is not None and left <= stop_at:
+                        last = sample(left)
+                        rss = sum(_rss_mb(pid) for pid in [proc.pid, *_descendants(proc.pid)])
+                        break
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{variant}: dramatiq exited ({proc.returncode}):\n{_tail(err)}")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{variant}: {left} of {messages} messages left after {timeout:.0f} s")
+                    time.sleep(POLL_S)
+                while left := outstanding():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{variant}: {left} of {messages} messages left after {timeout:.0f} s")
+                    time.sleep(POLL_S)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                for key in client.scan_iter(f"{namespace}*", count=1000):
+                    client.delete(key)
+            if proc.returncode:
+                raise RuntimeError(f"{variant}: dramatiq failed ({proc.returncode}):\n{_tail(err)}")
+        if variant == "default":
+            with open(log_path, encoding="utf-8") as log:
+                logged = sum(" task done " in line for line in log)
+            if logged != messages:
+                raise RuntimeError(f"{variant}: {logged} 'task done' lines in the log for {messages} messages")
+    client.close()
+    done, wall = first[1] - last[1], last[0] - first[0]
+    parent, workers, redis_cpu = (last[i] - first[i] for i in (2, 3, 4))
+    cpu = parent + workers + redis_cpu
+    return Run(
+        msgs_per_s=done / wall,
+        cpu_us_per_msg=cpu / done * 1e6,
+        core_busy=(parent + workers) / wall,
+        rss_mb=rss,
+        parent_us_per_msg=parent / done * 1e6,
+        workers_us_per_msg=workers / done * 1e6,
+        redis_us_per_msg=redis_cpu / done * 1e6,
+    )
+
+
 class _ReadyOnRabbitmq:
     """Counts the messages ready on ``queue`` (a passive declare, once the worker has declared it)."""
 
@@ -306,6 +467,12 @@ def _line(label: str, run: Run) -> str:
         + f", {run.msgs_per_s:6.0f} msg/s, "
         f"core {run.core_busy:4.2f} busy, {run.rss_mb:5.1f} MB"
         + (f", {run.gc_us_per_msg:4.1f} µs GC/msg" if run.gc_us_per_msg is not None else "")
+        + (
+            f" (parent {run.parent_us_per_msg:.0f} + workers {run.workers_us_per_msg:.0f}"
+            f" + Redis {run.redis_us_per_msg:.0f})"
+            if run.parent_us_per_msg is not None
+            else ""
+        )
     )
 
 
@@ -376,6 +543,10 @@ def main(argv: list[str]) -> int:
     unknown = set(variants) - set(VARIANTS) - set(PEERS)
     if unknown:
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
+    if "default" in variants and "bare_default" not in variants:
+        variants.append("bare_default")  # default_cpu_ratio's other side
+    if args.broker == "rabbitmq":
+        variants = [v for v in variants if v not in CLI_VARIANTS]  # the command's variants are on Redis
 
     with contextlib.ExitStack() as stack:
         db_url = None
@@ -439,7 +610,7 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
     results: dict[str, list[Run]] = {label: [] for label, *_ in plan}
     for round_ in range(1, args.rounds + 1):
         for label, variant, threads, messages in plan:
-            run = run_one(
+            run = (run_cli if variant in CLI_VARIANTS else run_one)(
                 variant, messages=messages, prefetch=prefetch, python=python[variant], **{**common, "threads": threads}
             )
             results[label].append(run)
@@ -460,25 +631,25 @@ def _run(args: argparse.Namespace, variants: list[str], redis_url: str, db_url: 
         summary[f"{variant}_msgs_per_s"] = round(run.msgs_per_s)
         if run.gc_us_per_msg is not None:
             summary[f"{variant}_gc_us_per_msg"] = round(run.gc_us_per_msg, 1)
+        if run.parent_us_per_msg is not None:
+            for part in ("parent", "workers", "redis"):
+                summary[f"{variant}_{part}_us_per_msg"] = round(getattr(run, f"{part}_us_per_msg"))
     ratios = {
         "kit": "cpu_ratio",
         "kit_quiet": "quiet_cpu_ratio",
         "listener": "listener_cpu_ratio",
         "traced": "traced_cpu_ratio",
+        "default": "default_cpu_ratio",  # through the dramatiq command, over stock Dramatiq run the same way
     }
-    if "bare" in medians:
-        for variant, key in ratios.items():
-            if variant in medians:
-                # Each round's variant against that round's bare, run beside it: the load of the shared machine
-                # moves both, so the median of these is the steadier figure, the one targets are held to.
-                per_round = [
-                    run.cpu_us_per_msg / bare.cpu_us_per_msg
-                    for run, bare in zip(results[variant], results["bare"], strict=True)
-                ]
-                summary[key] = round(statistics.median(per_round), 3)
-                summary[f"{key}_of_medians"] = round(
-                    medians[variant].cpu_us_per_msg / medians["bare"].cpu_us_per_msg, 3
-                )
+    for variant, key in ratios.items():
+        base = "bare_default" if variant in CLI_VARIANTS else "bare"
+        if base in medians and variant in medians:
+            # Each round's variant against that round's bare, run beside it: the load of the shared machine
+            # moves both, so the median of these is the steadier figure, the one targets are held to.
+            pairs = zip(results[variant], results[base], strict=True)
+            per_round = [run.cpu_us_per_msg / bare.cpu_us_per_msg for run, bare in pairs]
+            summary[key] = round(statistics.median(per_round), 3)
+            summary[f"{key}_of_medians"] = round(medians[variant].cpu_us_per_msg / medians[base].cpu_us_per_msg, 3)
     for variant, run in medians.items():
         summary[f"{variant}_rss_mb"] = round(run.rss_mb, 1)
     if "inbox" in medians:

@@ -42,6 +42,8 @@ DB_VARIANTS = ("db_listener", "inbox", "inbox_noclaim")
 EFFECTS = "gp_bench_effects"
 PEERS = ("celery_threads", "arq", "rq", "huey")
 QUEUE = "bench"
+#: Run through the real ``dramatiq`` command on :mod:`benchmarks.overhead_app`, not by this module.
+CLI_VARIANTS = ("default", "bare_default")
 
 
 def queue_name(namespace: str, rabbitmq: bool) -> str:

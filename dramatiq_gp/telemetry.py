@@ -12,15 +12,25 @@ multiprocessing finalizer, which ``Process`` runs on its way out.
 
 The kit never replaces what the application set up itself: a tracer or meter
 provider already installed, or a Sentry client already initialised, is used as is.
+
+Under the ``dramatiq`` command, a worker process writes its log lines to the
+command's destination itself (:class:`DirectStream`), not through the pipe the CLI
+relays them through. Dramatiq internals this relies on (docs/internals.md, 14): the
+CLI's handler writes to a ``dramatiq.compat.StreamablePipe``, and the frame of
+``dramatiq.cli.worker_process`` (or ``fork_process``) holds the parsed ``args``,
+``args.log_file`` among them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import logging
 import multiprocessing.util
 import os
+import select
+import stat
 import sys
 import threading
 import time
@@ -206,6 +216,11 @@ def configure_logging(settings: LogSettings, *, send_default_pii: bool = False) 
     for handler in root.handlers:
         if handler.name == OTLP_HANDLER_NAME:
             continue  # records, not lines: a formatter would make the body a whole line, time and all
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, _DirectHandler):
+            direct = direct_stream(handler.stream)
+            if direct is not None:
+                handler.setStream(direct)
+                handler.__class__ = _DirectHandler
         handler.setFormatter(json_formatter() if settings.format == "json" else TextFormatter())
         if not any(isinstance(f, TraceIds) for f in handler.filters):
             handler.addFilter(TraceIds())
@@ -215,6 +230,161 @@ def configure_logging(settings: LogSettings, *, send_default_pii: bool = False) 
                 handler.removeFilter(f)
         elif not payloads:
             handler.addFilter(NoPayloads())
+
+
+#: How long a ``dramatiq`` worker process holds its INFO and DEBUG lines before writing them, at most.
+LOG_FLUSH_INTERVAL_S = 0.05
+
+
+class DirectStream:
+    """Where a ``dramatiq`` worker process writes its log lines: straight to the command's log destination.
+
+    The CLI hands each worker process a pipe to its parent (``StreamablePipe``),
+    whose thread reads every line back and writes it to ``--log-file`` or to
+    stderr: with the task log's two lines per message, the parent used as much CPU
+    as a fifth of the worker's, and each line cost the worker a write to the pipe,
+    taken under the handler's lock by eight threads on one core. Here a line is
+    queued, and a thread of this stream's writes what is queued every
+    :data:`LOG_FLUSH_INTERVAL_S` in one ``write`` on ``fd``: the file opened for
+    appending (lines of several processes never cut into each other) or the stderr
+    the worker inherited. A WARNING or worse (:meth:`write_now`) is written at once,
+    after what was queued before it. What is queued is written when the process
+    exits (a ``multiprocessing`` finalizer: Dramatiq's worker processes leave through
+    ``os._exit``, which skips ``atexit``), after a graceful stop or a second SIGTERM;
+    a ``kill -9`` loses at most the last interval's INFO lines. When the destination
+    is not a file (a pipe or a terminal), each ``write`` is cut to at most
+    ``PIPE_BUF`` bytes at line ends, so another process's lines do not cut into
+    these, and a longer line goes through the CLI's pipe, as before.
+    """
+
+    def __init__(self, fd: int, relay: Any, *, atomic: bool) -> None:
+        self.fd = fd
+        self.relay = relay
+        self.limit = sys.maxsize if atomic else select.PIPE_BUF
+        self._queued: collections.deque[bytes] = collections.deque()
+        self._writing = threading.Lock()
+        self._pid: int | None = None
+        self._exiting = False
+
+    def write(self, text: str) -> None:
+        if self._pid != os.getpid():
+            self._start()
+        data = text.encode("utf-8", errors="replace")
+        if len(data) > self.limit:
+            self.flush()
+            self.relay.write(text)
+            return
+        self._queued.append(data)
+        if self._exiting:
+            self.flush()
+
+    def write_now(self, text: str) -> None:
+        self.write(text)
+        self.flush()
+
+    def flush(self) -> None:
+        """Write everything queued, in order, in as few ``write`` calls as the destination allows."""
+        with self._writing:
+            queued, chunk, size = self._queued, list[bytes](), 0
+            while queued:
+                data = queued.popleft()
+                if size + len(data) > self.limit:
+                    self._write(b"".join(chunk))
+                    chunk, size = [], 0
+                chunk.append(data)
+                size += len(data)
+            if chunk:
+                self._write(b"".join(chunk))
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def _start(self) -> None:
+        """Start this process's writer thread and exit flush (again in a process forked from one that wrote)."""
+        if self._pid is not None:
+            self._queued.clear()  # the forking process's lines: it writes them itself
+            self._writing = threading.Lock()
+        self._pid = os.getpid()
+        threading.Thread(target=self._run, name="dramatiq_gp.log_writer", daemon=True).start()
+        # After telemetry's flush (exitpriority 100), which logs.
+        multiprocessing.util.Finalize(None, self._flush_at_exit, exitpriority=-100)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(LOG_FLUSH_INTERVAL_S)
+            # A destination gone (a full disk, a closed pipe) leaves logging nowhere to say so.
+            with contextlib.suppress(OSError):
+                self.flush()
+
+    def _flush_at_exit(self) -> None:
+        self._exiting = True
+        with contextlib.suppress(OSError):
+            self.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+class _DirectHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A ``StreamHandler`` on a :class:`DirectStream`: a WARNING or worse is written at once."""
+
+    stream: DirectStream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+            if record.levelno >= logging.WARNING:
+                self.stream.write_now(line)
+            else:
+                self.stream.write(line)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+def _cli_arguments() -> Any:
+    """The parsed arguments of the ``dramatiq`` command whose worker (or fork) process this is, or None.
+
+    Read from the frame of Dramatiq's ``cli.worker_process`` (or ``cli.fork_process``),
+    a Dramatiq internal: its ``args`` local. The kit's module is imported inside it.
+    """
+    cli = sys.modules.get("dramatiq.cli")
+    if cli is None:
+        return None
+    codes = {cli.worker_process.__code__, cli.fork_process.__code__}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            return frame.f_locals.get("args")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def direct_stream(stream: Any) -> DirectStream | None:
+    """A :class:`DirectStream` for a handler writing to the ``dramatiq`` CLI's log pipe (``stream``), or None.
+
+    None when ``stream`` is not that pipe (``dramatiq.compat.StreamablePipe``, a
+    Dramatiq internal) or the command's arguments cannot be found. With
+    ``--log-file`` the file is opened for appending; without, the lines go to the
+    stderr the worker process inherited from the command.
+    """
+    from dramatiq.compat import StreamablePipe
+
+    if not isinstance(stream, StreamablePipe):
+        return None
+    args = _cli_arguments()
+    if args is None:
+        return None
+    log_file = getattr(args, "log_file", None)
+    if log_file:
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        return DirectStream(fd, stream, atomic=True)
+    fd = os.dup(2)
+    os.set_inheritable(fd, False)
+    return DirectStream(fd, stream, atomic=stat.S_ISREG(os.fstat(fd).st_mode))
 
 
 # -- exporters --------------------------------------------------------------------

@@ -1263,3 +1263,56 @@ def test_the_worker_holds_its_threads_and_time_limit_reads_the_message_then_the_
         read = message.options.get("time_limit") or actor.options.get("time_limit", limits.time_limit)
         assert read == expected
     assert "time_limit" in TimeLimit().actor_options
+
+
+LOGGING_PROBE_APP = """
+import logging, os, sys
+import dramatiq
+from dramatiq import cli
+from dramatiq.brokers.redis import RedisBroker
+
+frame = sys._getframe()
+while frame is not None and frame.f_code is not cli.worker_process.__code__:
+    frame = frame.f_back
+handler = logging.getLogger().handlers[0]
+stream = handler.stream
+with open(os.environ["PROBE_TRACE"], "w") as trace:
+    print(f"handler {type(handler).__module__}.{type(handler).__qualname__}", file=trace)
+    print(f"stream {type(stream).__module__}.{type(stream).__qualname__} fd={stream.fileno() > 2}", file=trace)
+    print(f"sys.stderr is the stream: {sys.stderr is stream}", file=trace)
+    print(f"args.log_file {frame.f_locals['args'].log_file}", file=trace)
+stream.write("a line through the pipe\\n")
+dramatiq.set_broker(RedisBroker(url=os.environ["REDIS_URL"], namespace=os.environ["PROBE_NAMESPACE"]))
+"""
+
+
+def test_a_worker_process_logs_through_a_streamable_pipe_the_parent_writes_to_the_log_file(
+    tmp_path, namespace, redis_url
+):
+    # The kit's telemetry.direct_stream: it recognises the CLI's pipe by its class, finds the
+    # command's --log-file in worker_process's `args` local, and writes there itself.
+    (tmp_path / "logging_probe.py").write_text(LOGGING_PROBE_APP)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path),
+        "PROBE_TRACE": str(tmp_path / "trace"),
+        "PROBE_NAMESPACE": namespace,
+        "REDIS_URL": redis_url,
+    }
+    log = tmp_path / "dramatiq.log"
+    command = [sys.executable, "-m", "dramatiq", "logging_probe", "-p", "1", "-t", "1", "--log-file", str(log)]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: log.exists() and "Worker process is ready for action." in log.read_text(), timeout=30)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        _end(process)
+    assert _trace(tmp_path) == [
+        "handler logging.StreamHandler",
+        "stream dramatiq.compat.StreamablePipe fd=True",
+        "sys.stderr is the stream: True",
+        f"args.log_file {log}",
+    ]
+    assert "a line through the pipe" in log.read_text()
+    assert cli.fork_process.__code__.co_varnames[0] == "args"  # the fork processes' frame has it too
