@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import dramatiq_gp as gp
-from dramatiq_gp.middleware.tracing import messaging_system
+from dramatiq_gp.middleware.tracing import MAX_SHAPES, messaging_system
 from helpers import wait_for
 
 
@@ -230,3 +230,35 @@ def test_spans_name_the_broker_the_queues_are_on_as_the_messaging_system(broker,
 
 def test_another_broker_is_named_after_its_class():
     assert messaging_system(StubBroker()) == "stub"
+
+
+def test_span_names_and_shared_attributes_are_kept_per_actor_queue_and_operation_up_to_a_bound(spans):
+    provider, exporter = spans
+    tracing = gp.Tracing(provider)
+    broker = StubBroker(middleware=[tracing])
+
+    def send(actor_name: str, delay: int | None = None) -> Message[Any]:
+        message = Message(queue_name="default", actor_name=actor_name, args=(), kwargs={}, options={})
+        tracing.before_enqueue(broker, message, delay)
+        tracing.after_enqueue(broker, message, delay)
+        return message
+
+    many = MAX_SHAPES + 10
+    for n in range(many):  # task types come from the messages: unknown ones must not grow the cache without end
+        send(f"task_{n}")
+    assert len(tracing._shapes) == MAX_SHAPES
+    delayed = send("task_0", 250)  # from the cache
+    past_the_bound = send(f"task_{many - 1}")  # built for this span alone
+    for message, actor_name in ((delayed, "task_0"), (past_the_bound, f"task_{many - 1}")):
+        sent = _finished(exporter, f"send {actor_name}")
+        (span,) = [s for s in sent if s.attributes["messaging.message.id"] == message.message_id]
+        assert dict(span.attributes) == {
+            "messaging.system": "stub",
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "send",
+            "messaging.destination.name": "default",
+            "messaging.message.id": message.message_id,
+            "dramatiq_gp.task_type": actor_name,
+            **({"dramatiq_gp.delay_ms": 250} if message is delayed else {}),
+        }
+    assert "dramatiq_gp.delay_ms" not in _finished(exporter, "send task_0")[0].attributes  # the cached shape kept none

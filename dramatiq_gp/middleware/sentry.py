@@ -18,6 +18,13 @@ worker process exits. This middleware replaces it:
 The event of a final failure leaves out the frames still running when it is
 built (Dramatiq's worker loop): reading their locals would pin the exception in a
 reference cycle (see :func:`_returned_frames`).
+
+A message's scopes are forked as ``sentry_sdk.isolation_scope()`` forks them, the
+current scope and the isolation scope each with ``Scope.fork``, made current with
+``Scope.set_current_scope`` and ``Scope.set_isolation_scope``, the old ones set back
+after; without its generator, which cost about a fifth of the middleware's time per
+message. tests/test_sentry.py pins that the two agree. With no active client (Sentry
+not initialised), a message gets no scope at all.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import sentry_sdk
 from dramatiq import Broker, Middleware, Retry
 from dramatiq.broker import MessageProxy
 from opentelemetry import trace
+from sentry_sdk import Scope
 from sentry_sdk.crons import capture_checkin
 from sentry_sdk.crons.consts import MonitorStatus
 from sentry_sdk.utils import event_from_exception
@@ -98,27 +106,35 @@ class Sentry(Middleware):
         self.job_entry = job_entry
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        scope_manager = sentry_sdk.isolation_scope()
-        scope = scope_manager.__enter__()
+        client = sentry_sdk.get_client()
+        if not client.is_active():
+            return  # no client (not initialised, or closed): nothing would be sent
+        # What sentry_sdk.isolation_scope() does, without its generator: both scopes forked, the old
+        # ones put back after (see the module docstring).
+        current, isolation = Scope.get_current_scope(), Scope.get_isolation_scope()
+        scope = isolation.fork()
+        Scope.set_current_scope(current.fork())
+        Scope.set_isolation_scope(scope)
         scope.clear_breadcrumbs()
-        attempt = message.options.get("retries", 0) + 1
+        actor_name = message.actor_name
         tags = {
-            "task_type": message.actor_name,
+            "task_type": actor_name,
             "queue": message.queue_name,
             "message_id": message.message_id,
-            "attempt": attempt,
+            "attempt": message.options.get("retries", 0) + 1,
         }
         trace_id = _trace_id(message)
         if trace_id:
             tags["trace_id"] = trace_id
         scope.set_tags(tags)
-        context = dict(tags)
-        context["args"] = list(message.args) if self.send_default_pii else "[Filtered]"
-        context["kwargs"] = dict(message.kwargs) if self.send_default_pii else "[Filtered]"
+        if self.send_default_pii:
+            context = {**tags, "args": list(message.args), "kwargs": dict(message.kwargs)}
+        else:
+            context = {**tags, "args": "[Filtered]", "kwargs": "[Filtered]"}
         scope.set_context("dramatiq", context)
-        scope.set_transaction_name(message.actor_name)
+        scope.set_transaction_name(actor_name)
         transaction: Any = None
-        if scope.get_client().options.get("traces_sample_rate") is not None:
+        if client.options.get("traces_sample_rate") is not None:
             continued = sentry_sdk.continue_trace(
                 _sentry_headers(message), op="queue.process", name=message.actor_name, source="task"
             )
@@ -127,7 +143,7 @@ class Sentry(Middleware):
             transaction = sentry_sdk.start_transaction(continued)
             transaction.__enter__()
         check_in = self._check_in(message, MonitorStatus.IN_PROGRESS)
-        setattr(message, _STATE, (scope_manager, scope, transaction, check_in))
+        setattr(message, _STATE, ((current, isolation), scope, transaction, check_in))
 
     def after_process_message(
         self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
@@ -136,7 +152,7 @@ class Sentry(Middleware):
         if state is None:
             return
         delattr(message, _STATE)
-        scope_manager, scope, transaction, check_in = state
+        previous, scope, transaction, check_in = state
         try:
             if exception is not None and _final(broker, message, exception):
                 options = sentry_sdk.get_client().options
@@ -157,25 +173,27 @@ class Sentry(Middleware):
                 transaction.set_status("ok" if exception is None else "internal_error")
                 transaction.__exit__(None, None, None)
         finally:
-            scope_manager.__exit__(None, None, None)
+            _restore(previous)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         state = getattr(message, _STATE, None)
         if state is None:
             return
         delattr(message, _STATE)
-        scope_manager, _, transaction, _ = state
+        previous, _, transaction, _ = state
         try:
             if transaction is not None:
                 transaction.__exit__(None, None, None)
         finally:
-            scope_manager.__exit__(None, None, None)
+            _restore(previous)
 
     def _check_in(
         self, message: MessageProxy, status: str, check_in: tuple[str, str, float] | None = None
     ) -> tuple[str, str, float] | None:
+        if self.job_entry is None:
+            return None
         name = job_name(message.actor_name)
-        if self.job_entry is None or name is None:
+        if name is None:
             return None
         entry = self.job_entry(name)
         if entry is None:
@@ -188,6 +206,12 @@ class Sentry(Middleware):
         slug, check_in_id, started = check_in
         capture_checkin(slug, check_in_id, status, duration=time.monotonic() - started)
         return check_in
+
+
+def _restore(previous: tuple[Scope, Scope]) -> None:
+    """Put back the current and isolation scopes a message's forks replaced."""
+    Scope.set_current_scope(previous[0])
+    Scope.set_isolation_scope(previous[1])
 
 
 def _final(broker: Broker, message: MessageProxy, exception: BaseException) -> bool:

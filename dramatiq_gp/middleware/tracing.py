@@ -39,6 +39,11 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from ..tracecontext import DELIVERY, ORIGIN
 
 _STATE = "_gp_span"
+#: The parent of a message that carries no context: none (a ``Context`` cannot be changed, so one serves all).
+_NEW_TRACE = context.Context()
+_CREATED = {"messaging.operation.type": "create"}
+#: The most (broker, actor, queue, operation) shapes kept; more are rebuilt for each span.
+MAX_SHAPES = 1_024
 
 
 def error_type(exc: BaseException) -> str:
@@ -66,6 +71,21 @@ class Tracing(Middleware):
         # id may be in flight more than once (its spans then end in either order).
         self._sending: dict[str, list[trace.Span]] = {}
         self._sending_lock = threading.Lock()
+        # What every span of one operation on one actor and queue shares: its name and most attributes.
+        self._shapes: dict[tuple[type[Broker], str, str, str], tuple[str, dict[str, Any]]] = {}
+
+    def _shape(
+        self, broker: Broker, message: Message[Any] | MessageProxy, operation: str
+    ) -> tuple[str, dict[str, Any]]:
+        """The span's name and its attributes but the message's own, built once per actor, queue and operation."""
+        key = (type(broker), message.actor_name, message.queue_name, operation)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = f"{operation} {message.actor_name}", _attributes(broker, message, operation)
+            # Task types come from the messages (unknown ones too): bounded, so they cannot grow it without end.
+            if len(self._shapes) < MAX_SHAPES:
+                self._shapes[key] = shape
+        return shape
 
     # -- producer ----------------------------------------------------------------------
 
@@ -78,12 +98,11 @@ class Tracing(Middleware):
             # context, e.g. the request that wrote an outbox row.
             sent = options.get(DELIVERY) or options.get(ORIGIN)
             parent = propagate.extract(sent) if sent else None
-        attributes = _attributes(broker, message, "send")
+        name, shared = self._shape(broker, message, "send")
+        attributes = {**shared, "messaging.message.id": message.message_id}
         if delay:
             attributes["dramatiq_gp.delay_ms"] = delay
-        span = self.tracer.start_span(
-            f"send {message.actor_name}", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
-        )
+        span = self.tracer.start_span(name, context=parent, kind=SpanKind.PRODUCER, attributes=attributes)
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span, parent))
         if carrier:
@@ -126,21 +145,19 @@ class Tracing(Middleware):
         options = message.options
         delivery, origin = options.get(DELIVERY), options.get(ORIGIN)
         # A message without a context starts a trace of its own, whatever the thread ran before.
-        parent = propagate.extract(delivery or origin) if (delivery or origin) else context.Context()
+        parent = propagate.extract(delivery or origin) if (delivery or origin) else _NEW_TRACE
         links = []
         if origin and delivery and origin != delivery:
             created = trace.get_current_span(propagate.extract(origin)).get_span_context()
             if created.is_valid:
-                links.append(Link(created, {"messaging.operation.type": "create"}))
-        attributes = _attributes(broker, message, "process")
-        attributes["dramatiq_gp.attempt"] = options.get("retries", 0) + 1
-        span = self.tracer.start_span(
-            f"process {message.actor_name}",
-            context=parent,
-            kind=SpanKind.CONSUMER,
-            links=links,
-            attributes=attributes,
-        )
+                links.append(Link(created, _CREATED))
+        name, shared = self._shape(broker, message, "process")
+        attributes = {
+            **shared,
+            "messaging.message.id": message.message_id,
+            "dramatiq_gp.attempt": options.get("retries", 0) + 1,
+        }
+        span = self.tracer.start_span(name, context=parent, kind=SpanKind.CONSUMER, links=links, attributes=attributes)
         token = context.attach(trace.set_span_in_context(span, parent))
         setattr(message, _STATE, (span, token))
 
@@ -193,6 +210,5 @@ def _attributes(broker: Broker, message: Message[Any] | MessageProxy, operation:
         "messaging.operation.type": operation,
         "messaging.operation.name": operation,
         "messaging.destination.name": q_name(message.queue_name),
-        "messaging.message.id": message.message_id,
         "dramatiq_gp.task_type": message.actor_name,
     }
