@@ -23,6 +23,7 @@ from sentry_sdk.envelope import Envelope
 from sentry_sdk.integrations import logging as sentry_logging
 from sentry_sdk.transport import Transport
 
+import dramatiq_gp as gp
 from dramatiq_gp.middleware.sentry import Sentry
 
 
@@ -111,7 +112,6 @@ def test_without_an_active_client_a_message_gets_no_scope_of_its_own():
 
 def test_the_task_log_costs_no_client_look_up_for_sentry_logs(clean_env, namespace):
     """sentry-sdk's logging patch looks the client up for each record not on its Sentry Logs ignore list."""
-    import dramatiq_gp as gp
 
     lists = [sentry_logging._IGNORED_LOGGERS]
     if hasattr(sentry_logging, "ignore_logger_for_sentry_logs"):  # a list of its own since sentry-sdk 2.5x
@@ -120,10 +120,7 @@ def test_the_task_log_costs_no_client_look_up_for_sentry_logs(clean_env, namespa
     clean_env.setenv("SENTRY_DSN", "https://key@127.0.0.1:9/1")
     telemetry = gp.Telemetry(gp.Settings.from_env(), namespace=namespace)
     try:
-        with warnings.catch_warnings():
-            # sentry-sdk 2.7x deprecates send_default_pii, which _start_sentry passes: not what this test is about.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            telemetry._start_sentry()
+        telemetry._start_sentry()
         for ignored in lists:
             assert {"dramatiq_gp.tasks", "dramatiq.worker.WorkerThread"} <= ignored
     finally:
@@ -131,3 +128,20 @@ def test_the_task_log_costs_no_client_look_up_for_sentry_logs(clean_env, namespa
         for ignored, was in zip(lists, saved, strict=True):
             ignored.clear()
             ignored.update(was)
+
+
+@pytest.mark.parametrize("pii", [False, True])
+def test_the_kit_starts_sentry_without_a_warning_and_with_the_pii_setting(clean_env, namespace, pii):
+    """sentry-sdk 2.75 deprecates ``send_default_pii``: the kit passes it only when on, and without the warning."""
+    clean_env.setenv("SENTRY_DSN", "https://key@127.0.0.1:9/1")
+    clean_env.setenv("SENTRY_SEND_DEFAULT_PII", "true" if pii else "false")
+    telemetry = gp.Telemetry(gp.Settings.from_env(), namespace=namespace)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            telemetry._start_sentry()
+        assert sentry_sdk.get_client().is_active()
+        assert sentry_sdk.get_client().should_send_default_pii() is pii
+        assert sentry_sdk.get_client().options["include_local_variables"] is pii
+    finally:
+        sentry_sdk.get_global_scope().set_client(None)
