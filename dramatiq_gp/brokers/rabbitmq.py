@@ -40,7 +40,9 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   message is settled with its :class:`~dramatiq_gp.brokers.base.SettlePlan` in
   this order: its copy published and confirmed, its idempotency outcome written
   to Redis (``rabbitmq/record.lua``), then its ack; the settles of one window
-  (``WORKER_SETTLE_WINDOW``) together. ``docs/life-of-a-message.md`` follows a
+  (``WORKER_SETTLE_WINDOW``) together. The acks wait for the window once more on
+  the consumer's connection, and its settled prefix goes as one ``basic.ack``
+  with ``multiple``. ``docs/life-of-a-message.md`` follows a
   message through it, and says what a ``kill -9`` at each step does.
 * A consumer takes every message pika already holds when one arrives, and hands
   them to the middleware's ``after_fetch`` together (one round trip for their
@@ -427,10 +429,11 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self._write_settles([(queue_name, message, command)])
 
     def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        """:meth:`settle` in the next batch of the settle window; a plain ack or nack at once.
+        """:meth:`settle` in the next batch of the settle window; a plain ack straight to its consumer.
 
         A message with nothing to record or publish costs no round trip to settle,
-        so collecting it would only add the hand-over to the settler's thread.
+        so collecting it would only add the hand-over to the settler's thread: its
+        consumer's connection collects it (:meth:`_Consumer.ack_on_channel`).
         """
         consumer: _Consumer | None = getattr(message, "_consumer", None)
         if plan_of(message) is None and consumer is not None and command == "ack":
