@@ -110,6 +110,8 @@ _SCRIPTS["record"] = with_library(_SCRIPTS["record"])
 BEAT_EVERY_S = 5.0
 #: How long the record of a queue whose sends went unconfirmed is kept, for ``dramatiq-gp status``.
 UNCONFIRMED_KEPT_MS = 3_600_000
+#: How many settle windows an ack that no multiple ack can cover yet waits for one to, before it goes alone.
+ACK_WAIT_WINDOWS = 3
 #: On a message whose dead letter is published: acked, counted as dead.
 _DEAD_LETTERED_ATTR = "_gp_dead_lettered"
 #: On a message acked with a retry's copy published: counted as retried, not done.
@@ -631,6 +633,10 @@ class _Consumer(_RabbitmqConsumer):
         self._delivered: deque[int] = deque()
         #: How long the first settle waits in ``_to_settle`` for others to go with it: the settle window.
         self._window_s = self.broker.settler.window_s if self.broker.settler is not None else 0.0
+        #: Acked tags above the oldest unsettled one, waiting to be covered by a multiple ack: tag → windows
+        #: waited (the connection's thread's alone, as ``_timer``: whether a send is due at the window's end).
+        self._waiting: dict[int, int] = {}
+        self._timer = False
         #: The last message received (delay queues: never), and the one the beat last recorded: see ``_fetched``.
         self.last_received: Message[Any] | None = None
         self.last_recorded: Message[Any] | None = None
@@ -812,10 +818,15 @@ class _Consumer(_RabbitmqConsumer):
 
     def _send_soon(self) -> None:
         """On the connection's thread: send what waits in ``_to_settle`` once the settle window has passed."""
-        if self._window_s:
-            self.connection.call_later(self._window_s, self._send_settles)
-        else:
+        if not self._window_s:
             self._send_settles()
+        elif not self._timer:
+            self._timer = True
+            self.connection.call_later(self._window_s, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = False
+        self._send_settles()
 
     def _send_settles(self) -> None:
         """Send what waits in ``_to_settle``, on the connection's thread.
@@ -825,7 +836,9 @@ class _Consumer(_RabbitmqConsumer):
         already (a tag leaves ``known_tags`` only as its settle joins ``_to_settle``,
         under one lock, and batches are sent in order). Nacks go first, one each,
         so the multiple ack never covers a message meant for the dead-letter queue
-        or to go back; acks above the oldest unsettled tag go one each.
+        or to go back. An ack above the oldest unsettled tag waits up to
+        :data:`ACK_WAIT_WINDOWS` windows more to be covered the same way (most are:
+        the oldest finishes meanwhile), then goes on its own.
         """
         with self._settle_lock:
             batch, self._to_settle = self._to_settle, []
@@ -833,14 +846,22 @@ class _Consumer(_RabbitmqConsumer):
             while delivered and delivered[0] not in self.known_tags:
                 delivered.popleft()
             oldest = delivered[0] if delivered else None
+        waiting, self._waiting = self._waiting, {}
         upto = 0
         for tag, command in batch:
             if command != "ack":
                 self.channel.basic_nack(tag, requeue=command == "requeue")
-            elif oldest is None or tag < oldest:
+            else:
+                waiting[tag] = 0
+        for tag, windows in waiting.items():
+            if oldest is None or tag < oldest:
                 upto = max(upto, tag)
+            elif self._window_s and windows < ACK_WAIT_WINDOWS:
+                self._waiting[tag] = windows + 1
+            else:
+                self.channel.basic_ack(tag)
         if upto:
             self.channel.basic_ack(upto, multiple=True)
-        for tag, command in batch:
-            if command == "ack" and oldest is not None and tag > oldest:
-                self.channel.basic_ack(tag)
+        if self._waiting and not self._timer:
+            self._timer = True
+            self.connection.call_later(self._window_s, self._on_timer)
