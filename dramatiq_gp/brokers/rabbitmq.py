@@ -54,15 +54,16 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   actor here uses is created on the server for the send, and left out of
   ``queues``.
 
-The Dramatiq internals relied on (Dramatiq 2.2, pinned by
-``tests/test_rabbitmq.py``): ``enqueue``'s steps, which :meth:`RabbitmqBroker.enqueue`
+The Dramatiq internals relied on (Dramatiq 2.2, pinned by ``tests/test_rabbitmq.py``
+and ``tests/test_rabbitmq_acks.py``): ``enqueue``'s steps, which :meth:`RabbitmqBroker.enqueue`
 repeats with its own publish (the delay queue's copy with its ``eta``, ``declare_queue``
 with ``ensure``, the hooks around the publish, ``MAX_ENQUEUE_ATTEMPTS`` on a closed
 connection), ``RabbitmqBroker._build_queue_arguments`` and
 ``_declare_xq_queue``, ``declare_queue`` (its ``ensure`` flag) with ``queues``,
-``queues_pending`` and ``_ensure_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its constructor
-setting ``connection``, ``channel``, ``iterator`` and ``known_tags``; ``_nack``;
-``close``), ``_RabbitmqMessage(redelivered, tag, message)`` and its ``_tag``, and
+``queues_pending`` and ``_ensure_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its
+constructor, of ``(broker, queue_name, prefetch, timeout)``, setting ``connection``,
+``channel``, ``iterator`` and ``known_tags``; ``close``, which runs the connection's
+pending callbacks before it closes), ``_RabbitmqMessage(redelivered, tag, message)`` and its ``_tag``, and
 the worker settling a message through the consumer its queue has *now*
 (``Worker.consumers[queue].consumer``), which is why a message carries the
 consumer that delivered it.
