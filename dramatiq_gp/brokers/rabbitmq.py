@@ -40,7 +40,9 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   message is settled with its :class:`~dramatiq_gp.brokers.base.SettlePlan` in
   this order: its copy published and confirmed, its idempotency outcome written
   to Redis (``rabbitmq/record.lua``), then its ack; the settles of one window
-  (``WORKER_SETTLE_WINDOW``) together. ``docs/life-of-a-message.md`` follows a
+  (``WORKER_SETTLE_WINDOW``) together. The acks wait for the window once more on
+  the consumer's connection, and its settled prefix goes as one ``basic.ack``
+  with ``multiple``. ``docs/life-of-a-message.md`` follows a
   message through it, and says what a ``kill -9`` at each step does.
 * A consumer takes every message pika already holds when one arrives, and hands
   them to the middleware's ``after_fetch`` together (one round trip for their
@@ -52,15 +54,16 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   actor here uses is created on the server for the send, and left out of
   ``queues``.
 
-The Dramatiq internals relied on (Dramatiq 2.2, pinned by
-``tests/test_rabbitmq.py``): ``enqueue``'s steps, which :meth:`RabbitmqBroker.enqueue`
+The Dramatiq internals relied on (Dramatiq 2.2, pinned by ``tests/test_rabbitmq.py``
+and ``tests/test_rabbitmq_acks.py``): ``enqueue``'s steps, which :meth:`RabbitmqBroker.enqueue`
 repeats with its own publish (the delay queue's copy with its ``eta``, ``declare_queue``
 with ``ensure``, the hooks around the publish, ``MAX_ENQUEUE_ATTEMPTS`` on a closed
 connection), ``RabbitmqBroker._build_queue_arguments`` and
 ``_declare_xq_queue``, ``declare_queue`` (its ``ensure`` flag) with ``queues``,
-``queues_pending`` and ``_ensure_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its constructor
-setting ``connection``, ``channel``, ``iterator`` and ``known_tags``; ``_nack``;
-``close``), ``_RabbitmqMessage(redelivered, tag, message)`` and its ``_tag``, and
+``queues_pending`` and ``_ensure_queue``, ``consumer_class``, ``_RabbitmqConsumer`` (its
+constructor, of ``(broker, queue_name, prefetch, timeout)``, setting ``connection``,
+``channel``, ``iterator`` and ``known_tags``; ``close``, which runs the connection's
+pending callbacks before it closes), ``_RabbitmqMessage(redelivered, tag, message)`` and its ``_tag``, and
 the worker settling a message through the consumer its queue has *now*
 (``Worker.consumers[queue].consumer``), which is why a message carries the
 consumer that delivered it.
@@ -74,8 +77,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 from uuid import uuid4
 
@@ -109,6 +111,8 @@ _SCRIPTS["record"] = with_library(_SCRIPTS["record"])
 BEAT_EVERY_S = 5.0
 #: How long the record of a queue whose sends went unconfirmed is kept, for ``dramatiq-gp status``.
 UNCONFIRMED_KEPT_MS = 3_600_000
+#: How many settle windows an ack that no multiple ack can cover yet waits for one to, before it goes alone.
+ACK_WAIT_WINDOWS = 3
 #: On a message whose dead letter is published: acked, counted as dead.
 _DEAD_LETTERED_ATTR = "_gp_dead_lettered"
 #: On a message acked with a retry's copy published: counted as retried, not done.
@@ -407,13 +411,16 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                 held[consumer.queue_name] = held.get(consumer.queue_name, 0) + len(consumer.known_tags)
         return held
 
-    def count_settled(self, queue_name: str, message: Any, command: str) -> None:
-        if command == "requeue":
-            return
-        kind = "dead" if command == "nack" else ("retried" if message.__dict__.get(_RETRIED_ATTR) else "done")
-        field = f"{q_name(queue_name)}:{kind}"
+    def count_settled(self, queue_name: str, settles: Sequence[tuple[Any, str]]) -> None:
+        """Count ``(message, command)`` settled, for the next beat."""
+        queue = q_name(queue_name)
         with self._counts_lock:
-            self._counts[field] = self._counts.get(field, 0) + 1
+            for message, command in settles:
+                if command == "requeue":
+                    continue
+                kind = "dead" if command == "nack" else ("retried" if message.__dict__.get(_RETRIED_ATTR) else "done")
+                field = f"{queue}:{kind}"
+                self._counts[field] = self._counts.get(field, 0) + 1
 
     def settle(self, queue_name: str, message: MessageProxy, command: str) -> None:
         """Ack, nack or requeue ``message`` now (see :meth:`_write_settles`).
@@ -425,10 +432,11 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         self._write_settles([(queue_name, message, command)])
 
     def settle_soon(self, queue_name: str, message: MessageProxy, command: str) -> None:
-        """:meth:`settle` in the next batch of the settle window; a plain ack or nack at once.
+        """:meth:`settle` in the next batch of the settle window; a plain ack straight to its consumer.
 
         A message with nothing to record or publish costs no round trip to settle,
-        so collecting it would only add the hand-over to the settler's thread.
+        so collecting it would only add the hand-over to the settler's thread: its
+        consumer's connection collects it (:meth:`_Consumer.ack_on_channel`).
         """
         consumer: _Consumer | None = getattr(message, "_consumer", None)
         if plan_of(message) is None and consumer is not None and command == "ack":
@@ -612,9 +620,24 @@ class _Consumer(_RabbitmqConsumer):
 
     broker: RabbitmqBroker
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)  # type: ignore[no-untyped-call]
+    def __init__(self, broker: RabbitmqBroker, queue_name: str, prefetch: int, timeout: int) -> None:
+        super().__init__(broker, queue_name, prefetch, timeout)  # type: ignore[no-untyped-call]
+        #: RabbitMQ delivers no more than the prefetch unacked: acks waiting for their window hold deliveries
+        #: back, so half of it waiting goes at once (as the Redis consumer fetches again at half its buffer).
+        self._send_at = max(1, prefetch // 2)
         self._ready: deque[Any] = deque()
+        #: ``(delivery tag, "ack"|"nack"|"requeue")`` to send on the channel at its thread's next turn, in order.
+        self._to_settle: list[tuple[int, str]] = []
+        #: Guards ``_to_settle`` with ``known_tags``: a tag leaves the one as it joins the other.
+        self._settle_lock = threading.Lock()
+        #: The tags of ``known_tags`` in delivery order (and some settled ones, dropped as the front is read).
+        self._delivered: deque[int] = deque()
+        #: How long the first settle waits in ``_to_settle`` for others to go with it: the settle window.
+        self._window_s = self.broker.settler.window_s if self.broker.settler is not None else 0.0
+        #: Acked tags above the oldest unsettled one, waiting to be covered by a multiple ack: tag → windows
+        #: waited (the connection's thread's alone, as ``_timer``: whether a send is due at the window's end).
+        self._waiting: dict[int, int] = {}
+        self._timer = False
         #: The last message received (delay queues: never), and the one the beat last recorded: see ``_fetched``.
         self.last_received: Message[Any] | None = None
         self.last_recorded: Message[Any] | None = None
@@ -668,6 +691,9 @@ class _Consumer(_RabbitmqConsumer):
         except DecodeError as exc:
             problem = f"cannot decode it ({decode_cause(exc)})"
         if problem:
+            # Unsettled until its copy is confirmed and it is acked: no ack of a later tag may cover it.
+            self.known_tags.add(method.delivery_tag)
+            self._delivered.append(method.delivery_tag)
             # The bytes stay out of the line (they may be a payload); the dead-letter queue keeps them.
             logger.error(
                 "a message on queue %r is malformed: %s; moved to the dead-letter queue", self.queue_name, problem
@@ -676,6 +702,7 @@ class _Consumer(_RabbitmqConsumer):
             return None
         message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, decoded)  # type: ignore[no-untyped-call]
         self.known_tags.add(method.delivery_tag)
+        self._delivered.append(method.delivery_tag)
         message._consumer = self
         if is_delay_queue(self.queue_name):
             return message  # parked in the consumer until due, and checked then
@@ -692,9 +719,13 @@ class _Consumer(_RabbitmqConsumer):
             self.broker.declare_queue(q_name(self.queue_name), ensure=True)
             # As it came: it is no message. Raises ConnectionClosed: it stays unacked, and comes back.
             self.broker._confirmed_bodies([(queue, body, None)])
-            self.channel.basic_ack(tag)
+            command = "ack"
         else:
-            self._nack(tag)  # type: ignore[no-untyped-call]
+            command = "nack"
+        with self._settle_lock:
+            self.known_tags.discard(tag)
+            self._to_settle.append((tag, command))
+        self._send_settles()  # this is the connection's thread
 
     def wake(self) -> None:
         """End the wait for messages now: the worker is stopping this consumer.
@@ -730,16 +761,24 @@ class _Consumer(_RabbitmqConsumer):
                 self.broker.settle(self.queue_name, message, "requeue")
 
     def close(self) -> None:
-        """Hand over the pending settles first: a graceful stop leaves nothing to run again."""
+        """Hand over the pending settles first: a graceful stop leaves nothing to run again.
+
+        What waits for its window is sent with the callbacks Dramatiq's ``close`` runs before it closes.
+        """
         self.broker.flush_settles(retry=False)
+        self._window_s = 0.0
+        with contextlib.suppress(pika.exceptions.AMQPError):  # closed: nothing it held is acked, all comes back
+            self.connection.add_callback_threadsafe(self._send_settles)
         self.broker._consumers.discard(self)
         super().close()  # type: ignore[no-untyped-call]
 
     def ack_on_channel(self, settles: Sequence[tuple[Any, str]]) -> None:
         """Ack, nack (to the dead-letter queue) or put back (``"requeue"``) messages this consumer delivered.
 
-        The last step of a settle. They go to the connection's thread, this consumer's
-        thread, in one hand-over (``add_callback_threadsafe``).
+        The last step of a settle. The connection is this consumer's thread's, so they
+        wait in ``_to_settle`` for its turn: the thread that adds the first of them wakes
+        it (``add_callback_threadsafe``), which sends them once the settle window has
+        passed, with those added meanwhile; half the prefetch waiting is sent at once.
         """
         if self.connection.is_closed:
             # Its channel closed with it: RabbitMQ has put the messages back.
@@ -751,27 +790,79 @@ class _Consumer(_RabbitmqConsumer):
                 ", ".join(message.message_id for message, _ in settles),
             )
             return
-        calls = []
-        for message, command in settles:
-            if message._tag not in self.known_tags:
-                logger.warning(
-                    "not settling message %s of queue %r: already settled", message.message_id, self.queue_name
-                )
-                continue
-            self.known_tags.discard(message._tag)
-            self.broker.count_settled(self.queue_name, message, command)
-            if command == "ack" or message.__dict__.get(_DEAD_LETTERED_ATTR):
-                calls.append(partial(self.channel.basic_ack, message._tag))
-            else:
-                calls.append(partial(self.channel.basic_nack, message._tag, requeue=command == "requeue"))
-        if not calls:
-            return
+        settled = []
+        with self._settle_lock:
+            before = len(self._to_settle)
+            for message, command in settles:
+                tag = message._tag
+                if tag not in self.known_tags:
+                    logger.warning(
+                        "not settling message %s of queue %r: already settled", message.message_id, self.queue_name
+                    )
+                    continue
+                self.known_tags.discard(tag)
+                acked = command == "ack" or message.__dict__.get(_DEAD_LETTERED_ATTR)
+                self._to_settle.append((tag, "ack" if acked else command))
+                settled.append((message, command))
+            after = len(self._to_settle)
+        self.broker.count_settled(self.queue_name, settled)
+        if before < self._send_at <= after:
+            send = self._send_settles
+        elif before == 0 < after:
+            send = self._send_soon
+        else:
+            return  # a hand-over is on its way and takes these too
         try:
-            self.connection.add_callback_threadsafe(partial(_call_each, calls))
+            self.connection.add_callback_threadsafe(send)
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
+    def _send_soon(self) -> None:
+        """On the connection's thread: send what waits in ``_to_settle`` once the settle window has passed."""
+        if not self._window_s:
+            self._send_settles()
+        elif not self._timer:
+            self._timer = True
+            self.connection.call_later(self._window_s, self._on_timer)
 
-def _call_each(calls: Sequence[Callable[[], Any]]) -> None:
-    for call in calls:
-        call()
+    def _on_timer(self) -> None:
+        self._timer = False
+        self._send_settles()
+
+    def _send_settles(self) -> None:
+        """Send what waits in ``_to_settle``, on the connection's thread.
+
+        The acks below the oldest tag still unsettled go as one ``basic.ack`` with
+        ``multiple``: every tag under it is settled, in this batch or on the wire
+        already (a tag leaves ``known_tags`` only as its settle joins ``_to_settle``,
+        under one lock, and batches are sent in order). Nacks go first, one each,
+        so the multiple ack never covers a message meant for the dead-letter queue
+        or to go back. An ack above the oldest unsettled tag waits up to
+        :data:`ACK_WAIT_WINDOWS` windows more to be covered the same way (most are:
+        the oldest finishes meanwhile), then goes on its own.
+        """
+        with self._settle_lock:
+            batch, self._to_settle = self._to_settle, []
+            delivered = self._delivered
+            while delivered and delivered[0] not in self.known_tags:
+                delivered.popleft()
+            oldest = delivered[0] if delivered else None
+        waiting, self._waiting = self._waiting, {}
+        upto = 0
+        for tag, command in batch:
+            if command != "ack":
+                self.channel.basic_nack(tag, requeue=command == "requeue")
+            else:
+                waiting[tag] = 0
+        for tag, windows in waiting.items():
+            if oldest is None or tag < oldest:
+                upto = max(upto, tag)
+            elif self._window_s and windows < ACK_WAIT_WINDOWS:
+                self._waiting[tag] = windows + 1
+            else:
+                self.channel.basic_ack(tag)
+        if upto:
+            self.channel.basic_ack(upto, multiple=True)
+        if self._waiting and not self._timer:
+            self._timer = True
+            self.connection.call_later(self._window_s, self._on_timer)

@@ -113,7 +113,9 @@ class IdempotentExecution(Middleware):
         if not wanted:
             return
         keys = [self.key_prefix + m.message_id for m in wanted]
-        tokens = [uuid4().hex for _ in wanted]
+        # One random prefix per batch, numbered: as unique as a uuid4 each, at a fraction of its cost.
+        batch = uuid4().hex
+        tokens = [f"{batch}{i:x}" for i in range(len(wanted))]
         marks = [done_marks.digest(m.message_id) for m in wanted]
         try:
             states = self._claim(keys=keys, args=self._claim_args(tokens, marks))

@@ -1,8 +1,8 @@
 """A worker app for the settle-window tests: ``ok(n)`` and ``fails(n)`` (which fails its first attempt).
 
 Run as ``dramatiq tests.apps.settle_app`` with ``REDIS_URL`` and ``VALKEY_NAMESPACE``
-set; ``GP_TEST_HEARTBEAT_MS`` shortens Dramatiq's heartbeat timeout, so a killed
-worker's messages come back within seconds. Runs are recorded in the Redis list
+set (and ``BROKER_URL`` for RabbitMQ); ``GP_TEST_HEARTBEAT_MS`` shortens Dramatiq's
+heartbeat timeout on Redis, so a killed worker's messages come back within seconds. Runs are recorded in the Redis list
 ``<namespace>:test:runs`` as JSON (``actor``, ``n``, ``pid``).
 """
 
@@ -15,9 +15,11 @@ import dramatiq
 
 import dramatiq_gp as gp
 
+# Redis's only (RabbitMQ gives a dead worker's messages back as its connection closes).
+heartbeat = os.environ.get("GP_TEST_HEARTBEAT_MS")
 kit = gp.Kit(
     registry=gp.Registry(),
-    broker_options={"heartbeat_timeout": int(os.environ.get("GP_TEST_HEARTBEAT_MS", "60000"))},
+    broker_options={"heartbeat_timeout": int(heartbeat)} if heartbeat else {},
 )
 broker = kit.broker
 
