@@ -246,12 +246,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     def _confirmed_bodies(self, items: Sequence[tuple[str, bytes, int | None]]) -> None:
         """:meth:`_confirmed` for ``(queue, body, priority)`` items."""
         try:
-            self._batch_publisher().publish(
-                [
-                    (queue, body, pika.BasicProperties(delivery_mode=2, priority=priority))
-                    for queue, body, priority in items
-                ]
-            )
+            self._batch_publisher().publish(items)
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
             if isinstance(exc, NoReply):
