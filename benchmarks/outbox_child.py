@@ -94,7 +94,8 @@ def main(mode: str) -> None:
         if not n:
             break
         handled += n
-    print(json.dumps({"first": first, "done": time.time(), "handled": handled, "cpu": time.process_time() - cpu}), flush=True)
+    report = {"first": first, "done": time.time(), "handled": handled, "cpu": time.process_time() - cpu}
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

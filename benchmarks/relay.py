@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         naive = run_phase("naive", 1, args.events, db_url, redis_url, rabbitmq_url)
         print(f"naive (one send per event): {naive['per_s']:8.0f} events/s", flush=True)
         one = run_phase("drain", 1, args.events, db_url, redis_url, rabbitmq_url)
-        print(f"1 relay:                    {one['per_s']:8.0f} events/s, {one['cpu_us']:5.0f} CPU µs per event", flush=True)
+        print(f"1 relay:                    {one['per_s']:8.0f} events/s, {one['cpu_us']:.0f} CPU µs/event", flush=True)
         four = run_phase("drain", 4, args.events, db_url, redis_url, rabbitmq_url)
         if rabbitmq_url is not None:
             delete_rabbitmq_queues(rabbitmq_url)
