@@ -63,8 +63,8 @@ def main(mode: str) -> None:
         enqueued: list[tuple[str, float]] = []
         enqueue_many = kit.broker.enqueue_many
 
-        def recording(messages: Any) -> Any:
-            sent = enqueue_many(messages)
+        def recording(messages: Any, **options: Any) -> Any:
+            sent = enqueue_many(messages, **options)
             now = time.time()
             enqueued.extend((m.message_id, now) for m in messages)
             return sent

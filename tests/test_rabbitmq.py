@@ -679,6 +679,29 @@ def test_a_nack_in_the_middle_of_a_batch_fails_the_whole_batch(queue_name):
         connection.close()
 
 
+def test_a_batch_is_sent_as_the_caller_encoded_it_unless_a_before_enqueue_hook_may_have_changed_it(
+    make_broker, queue_name
+):
+    """The relay encodes each row's message to find one that cannot be; the broker sends those bytes."""
+
+    class Stamp(dramatiq.Middleware):
+        def before_enqueue(self, broker, message, delay):
+            message.options["stamp"] = 1
+
+    for middleware, stamped in (([], False), ([Stamp()], True)):
+        broker = make_broker(middleware=middleware)
+        broker.declare_queue(queue_name, ensure=True)
+        messages = [dramatiq.Message(queue_name, f"{queue_name}.probe", (n,), {}, {}) for n in range(3)]
+        # Marked, so which bytes went out shows: the caller's, or the message encoded again after the hook.
+        encoded = [m.copy(options={"caller": True}).encode() for m in messages]
+        broker.enqueue_many(messages, encoded=encoded)
+        got = []
+        while (fetched := broker.channel.basic_get(queue_name, auto_ack=True))[0] is not None:
+            got.append(dramatiq.Message.decode(fetched[2]))
+        assert [m.message_id for m in got] == [m.message_id for m in messages]
+        assert all(("stamp" in m.options) is stamped and ("caller" in m.options) is not stamped for m in got)
+
+
 def test_a_batch_rabbitmq_did_not_take_is_reported_unsent_and_goes_through_when_sent_again(
     make_broker, queue_name, caplog
 ):
