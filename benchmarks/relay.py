@@ -56,6 +56,8 @@ def run_phase(
     queued = queued_ids(redis_url, namespace) if rabbitmq_url is None else rabbitmq_queued_ids(rabbitmq_url)
     return {
         "per_s": events / elapsed,
+        # The relays' own CPU per event: the rate also waits on PostgreSQL and the broker, on shared cores.
+        "cpu_us": sum(r["cpu"] for r in reports) / events * 1e6,
         "duplicates": len(queued) - len(set(queued)),
         "lost": len(ids - set(queued)),
     }
@@ -75,7 +77,7 @@ def main(argv: list[str]) -> int:
         naive = run_phase("naive", 1, args.events, db_url, redis_url, rabbitmq_url)
         print(f"naive (one send per event): {naive['per_s']:8.0f} events/s", flush=True)
         one = run_phase("drain", 1, args.events, db_url, redis_url, rabbitmq_url)
-        print(f"1 relay:                    {one['per_s']:8.0f} events/s", flush=True)
+        print(f"1 relay:                    {one['per_s']:8.0f} events/s, {one['cpu_us']:.0f} CPU µs/event", flush=True)
         four = run_phase("drain", 4, args.events, db_url, redis_url, rabbitmq_url)
         if rabbitmq_url is not None:
             delete_rabbitmq_queues(rabbitmq_url)
@@ -85,6 +87,7 @@ def main(argv: list[str]) -> int:
         "events": args.events,
         "events_per_s_1": round(one["per_s"]),
         "events_per_s_4": round(four["per_s"]),
+        "cpu_us_per_event_1": round(one["cpu_us"], 1),
         "naive_per_s": round(naive["per_s"]),
         "duplicates": int(one["duplicates"] + four["duplicates"]),
         "lost": int(one["lost"] + four["lost"]),

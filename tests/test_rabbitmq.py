@@ -31,6 +31,7 @@ from dramatiq.errors import ConnectionClosed
 import dramatiq_gp as gp
 from dramatiq_gp import keys
 from dramatiq_gp.brokers import done_marks
+from dramatiq_gp.brokers.publisher import BatchPublisher, NotConfirmed
 from dramatiq_gp.brokers.rabbitmq import RabbitmqBroker
 from dramatiq_gp.brokers.rabbitmq_view import RabbitmqQueueView
 from dramatiq_gp.cli import main as cli_main
@@ -623,6 +624,82 @@ def test_a_batch_is_published_at_once_and_returns_when_every_message_is_confirme
     received = [next(consumer).message_id for _ in range(500)]
     consumer.close()
     assert received == [m.message_id for m in messages]  # in order
+
+
+def test_the_publisher_writes_the_frames_pika_would_for_every_body_size_and_priority():
+    """BatchPublisher marshals a batch itself (one write, not three sends a message): byte for byte pika's."""
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        publisher = BatchPublisher(connection)
+        step = connection._impl._body_max_length
+        number = publisher.channel.channel_number
+        for body, priority in [(b"", None), (b"{}", 3), (b"x" * (2 * step + 5), None), (b"y" * step, 0)]:
+            publish = pika.spec.Basic.Publish(exchange="", routing_key="gp-q", mandatory=True)
+            expected = [
+                pika.frame.Method(number, publish).marshal(),
+                pika.frame.Header(
+                    number, len(body), pika.BasicProperties(delivery_mode=2, priority=priority)
+                ).marshal(),
+                *(pika.frame.Body(number, body[i : i + step]).marshal() for i in range(0, len(body), step)),
+            ]
+            assert b"".join(publisher._frames("gp-q", body, priority)) == b"".join(expected)
+    finally:
+        connection.close()
+
+
+def test_a_batch_of_bodies_over_the_frame_size_arrives_whole_and_in_order(queue_name):
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue_name, durable=True, arguments={"x-queue-type": "quorum"})
+        publisher = BatchPublisher(connection)
+        big = connection._impl._body_max_length * 2 + 7
+        bodies = [bytes([65 + n]) * (big if n % 2 else n + 1) for n in range(20)]
+        publisher.publish([(queue_name, body, None) for body in bodies])
+        publisher.publish([(queue_name, b"after", None)])  # delivery tags go on counting
+        received = []
+        while (got := channel.basic_get(queue_name, auto_ack=True))[0] is not None:
+            received.append((got[2], got[1].delivery_mode))
+        assert received == [(body, 2) for body in [*bodies, b"after"]]
+    finally:
+        connection.close()
+
+
+def test_a_nack_in_the_middle_of_a_batch_fails_the_whole_batch(queue_name):
+    """RabbitMQ refuses what a full queue cannot take (``reject-publish``): the batch is reported not sent (the
+    relay then keeps all its rows), though the messages before the refusal are on the queue."""
+    connection = pika.BlockingConnection(pika.URLParameters(URL))
+    try:
+        connection.channel().queue_declare(queue_name, arguments={"x-max-length": 3, "x-overflow": "reject-publish"})
+        publisher = BatchPublisher(connection)
+        with pytest.raises(NotConfirmed, match=r"refused \d+ \(nack\)"):
+            publisher.publish([(queue_name, b"%d" % n, None) for n in range(6)])
+        assert connection.channel().queue_declare(queue_name, passive=True).method.message_count == 3
+    finally:
+        connection.close()
+
+
+def test_a_batch_is_sent_as_the_caller_encoded_it_unless_a_before_enqueue_hook_may_have_changed_it(
+    make_broker, queue_name
+):
+    """The relay encodes each row's message to find one that cannot be; the broker sends those bytes."""
+
+    class Stamp(dramatiq.Middleware):
+        def before_enqueue(self, broker, message, delay):
+            message.options["stamp"] = 1
+
+    for middleware, stamped in (([], False), ([Stamp()], True)):
+        broker = make_broker(middleware=middleware)
+        broker.declare_queue(queue_name, ensure=True)
+        messages = [dramatiq.Message(queue_name, f"{queue_name}.probe", (n,), {}, {}) for n in range(3)]
+        # Marked, so which bytes went out shows: the caller's, or the message encoded again after the hook.
+        encoded = [m.copy(options={"caller": True}).encode() for m in messages]
+        broker.enqueue_many(messages, encoded=encoded)
+        got = []
+        while (fetched := broker.channel.basic_get(queue_name, auto_ack=True))[0] is not None:
+            got.append(dramatiq.Message.decode(fetched[2]))
+        assert [m.message_id for m in got] == [m.message_id for m in messages]
+        assert all(("stamp" in m.options) is stamped and ("caller" in m.options) is not stamped for m in got)
 
 
 def test_a_batch_rabbitmq_did_not_take_is_reported_unsent_and_goes_through_when_sent_again(

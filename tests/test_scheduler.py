@@ -106,8 +106,8 @@ def test_a_scheduled_event_fans_out_and_a_retried_firing_runs_no_listener_twice(
     # The first fan-out reaches Redis and then fails, so the firing is retried.
     real_enqueue_many, failed = kit.broker.enqueue_many, []
 
-    def enqueue_then_fail(messages):
-        sent = real_enqueue_many(messages)
+    def enqueue_then_fail(messages, **options):
+        sent = real_enqueue_many(messages, **options)
         if not failed and messages[0].actor_name.startswith("listener:"):
             failed.append(1)
             raise ConnectionError("lost the reply")

@@ -319,8 +319,16 @@ class KitBroker(Broker):
         for hook in self.hooks("after_send_failed"):
             hook(self, message, error)
 
-    def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
-        """Enqueue ``messages``, each sent or the call raising."""
+    def enqueue_many(
+        self, messages: Sequence[Message[Any]], *, encoded: Sequence[bytes] | None = None
+    ) -> list[Message[Any]]:
+        """Enqueue ``messages``, each sent or the call raising.
+
+        ``encoded``: each message's ``encode()``, where the caller made it (the relay
+        encodes every row's message to find one that cannot be). A broker that sends a
+        message as it is sends these bytes where no ``before_enqueue`` hook could have
+        changed the message, instead of encoding it again.
+        """
         raise NotImplementedError
 
     def redeliver_later(self, message: MessageProxy, delay_ms: int, **options: Any) -> None:

@@ -236,26 +236,25 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                 self.send_failed(message, exc)
                 raise
 
-    def _confirmed(self, messages: Sequence[Message[Any]]) -> None:
-        """Publish ``messages`` on this thread's :class:`BatchPublisher` and wait for their confirms.
+    def _confirmed(self, messages: Sequence[Message[Any]], encoded: Sequence[bytes] | None = None) -> None:
+        """Publish ``messages`` (sent as ``encoded`` where given) on this thread's :class:`BatchPublisher`, confirmed.
 
         Raises:
             ConfirmTimeout: not confirmed within ``confirm_timeout_ms`` (logged once per queue and outage).
             ConnectionClosed: the connection or the channel closed, or a message was refused or unroutable.
         """
+        bodies = encoded if encoded is not None else [message.encode() for message in messages]
         self._confirmed_bodies(
-            [(message.queue_name, message.encode(), message.options.get("broker_priority")) for message in messages]
+            [
+                (message.queue_name, body, message.options.get("broker_priority"))
+                for message, body in zip(messages, bodies, strict=True)
+            ]
         )
 
     def _confirmed_bodies(self, items: Sequence[tuple[str, bytes, int | None]]) -> None:
         """:meth:`_confirmed` for ``(queue, body, priority)`` items."""
         try:
-            self._batch_publisher().publish(
-                [
-                    (queue, body, pika.BasicProperties(delivery_mode=2, priority=priority))
-                    for queue, body, priority in items
-                ]
-            )
+            self._batch_publisher().publish(items)
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
             if isinstance(exc, NoReply):
@@ -306,8 +305,13 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             with contextlib.suppress(redis.RedisError):  # kept for a while only: status stops believing it
                 self.client.hdel(keys.unconfirmed(self.namespace), *back)
 
-    def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
+    def enqueue_many(
+        self, messages: Sequence[Message[Any]], *, encoded: Sequence[bytes] | None = None
+    ) -> list[Message[Any]]:
         """Publish ``messages`` at once and return when RabbitMQ has confirmed them all (:mod:`.publisher`).
+
+        ``encoded`` (each message's ``encode()``) is sent as it is where no middleware has a
+        ``before_enqueue`` hook, which could change a message (tracing adds its context).
 
         Raises:
             ConnectionClosed: some were not confirmed (every one is reported as not
@@ -318,10 +322,12 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         for message in messages:
             self.emit_before("enqueue", message, None)
         queues = {q_name(message.queue_name) for message in messages}
+        if self.hooks("before_enqueue"):
+            encoded = None
         try:
             for queue in queues:
                 self.declare_queue(queue, ensure=True)
-            self._confirmed(messages)
+            self._confirmed(messages, encoded)
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
             for message in messages:

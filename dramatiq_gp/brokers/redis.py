@@ -218,11 +218,14 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             self.send_failed(message, exc)
             raise
 
-    def enqueue_many(self, messages: Sequence[Message[Any]]) -> list[Message[Any]]:
+    def enqueue_many(
+        self, messages: Sequence[Message[Any]], *, encoded: Sequence[bytes] | None = None
+    ) -> list[Message[Any]]:
         """Enqueue ``messages`` in one round trip and one Lua call (``enqueue.lua``), all or none.
 
         Every message is encoded before anything is sent, so an encoding error
-        leaves nothing half-sent.
+        leaves nothing half-sent. ``encoded`` is not used: each message is sent
+        with a ``redis_message_id`` of its own, so its bytes differ.
         """
         if len(messages) == 1:
             return [self.enqueue(messages[0])]

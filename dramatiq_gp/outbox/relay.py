@@ -197,15 +197,18 @@ class Relay:
             if not rows:
                 self._next_due = self._seconds_to_next_due(conn)
                 return 0
-            messages, published, poisoned = [], [], []
+            messages, bodies, published, poisoned = [], [], [], []
             for row in rows:
                 try:
-                    messages.append(self._message(row))
-                    published.append(row.id)
+                    message, body = self._message(row)
                 except PoisonEvent as exc:
                     poisoned.append((row, exc))
+                    continue
+                messages.append(message)
+                bodies.append(body)
+                published.append(row.id)
             if messages:
-                self.broker.enqueue_many(messages)
+                self.broker.enqueue_many(messages, encoded=bodies)
                 done = self._among(published)
                 if self.settings.retention:
                     conn.execute(sa.update(OUTBOX_EVENTS).where(done).values(published_at=now))
@@ -256,7 +259,8 @@ class Relay:
         assert self.inbox_retention is not None
         return prune(self.engine, self.inbox_retention)
 
-    def _message(self, row: Any) -> Message[Any]:
+    def _message(self, row: Any) -> tuple[Message[Any], bytes]:
+        """The row's message, and its encoding (which the broker may send as it is)."""
         payload, trace_context = _json(row.payload, "payload"), _json(row.trace_context, "trace_context")
         if not isinstance(payload, dict):
             raise UnreadableRow(f"its payload is a JSON {type(payload).__name__}, not an object")
@@ -290,10 +294,10 @@ class Relay:
             message_id=event_id,
         )
         try:
-            message.encode()  # what the broker will do: a row it cannot encode must not fail the batch there
+            body = message.encode()  # what the broker will do: a row it cannot encode must not fail the batch there
         except (ValueError, TypeError, RecursionError) as exc:
             raise UnreadableRow(f"it cannot be encoded as a message ({type(exc).__name__})") from None
-        return message
+        return message, body
 
     def backlog(self) -> tuple[int, float]:
         """Due rows not yet relayed, and seconds since the oldest of them fell due (delayed rows not yet due: none)."""

@@ -28,8 +28,8 @@ def main(mode: str) -> None:
     if pause:
         enqueue_many = kit.broker.enqueue_many
 
-        def enqueue_then_pause(messages: Any) -> Any:
-            sent = enqueue_many(messages)
+        def enqueue_then_pause(messages: Any, **options: Any) -> Any:
+            sent = enqueue_many(messages, **options)
             time.sleep(pause)
             return sent
 
