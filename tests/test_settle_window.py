@@ -213,7 +213,9 @@ def test_on_rabbitmq_a_stop_acks_what_waits_for_its_window(broker, make_kit, sta
     worker = start_worker(kit)
     wait_for(lambda: ran == [1])
     time.sleep(0.1)
-    assert kit.broker.settler is not None and kit.broker.settler.pending == 1  # done, its ack waits
+    # Done; its outcome and its ack wait on its consumer's connection, unacked, not on the settler.
+    assert kit.broker.held() == {"default": 1}
+    assert kit.broker.settler is not None and kit.broker.settler.pending == 0
     worker.stop()
     assert kit.broker.settler.pending == 0
     # Acked: a channel closing with it unacked would have put it back.
@@ -245,3 +247,37 @@ def test_a_broker_built_directly_reads_worker_settle_window_as_the_kit_does(kind
     assert "WORKER_SETTLE_WINDOW" in str(refused.value) and "\n" not in str(refused.value)
     for broker in (unbatched, windowed, given):
         close_broker(broker)
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_on_rabbitmq_an_outcome_redis_did_not_take_is_written_by_the_settler_before_its_ack(
+    broker, tmp_path, make_kit, start_worker, namespace
+):
+    # The consumer's connection writes a window's outcomes itself; with Redis away it hands them to the settler.
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    try:
+        kit = make_kit(env={"REDIS_URL": server.url}, broker_options={"namespace": namespace, "settle_window_ms": 500})
+        ran: list[int] = []
+
+        @dramatiq.actor(broker=kit.broker, actor_name="quick", idempotent=True)
+        def quick() -> None:
+            ran.append(1)
+
+        sent = quick.send()
+        worker = start_worker(kit)
+        wait_for(lambda: ran == [1])
+        server.stop()  # before the window ends: the connection's write fails
+        assert kit.broker.settler is not None
+        wait_for(lambda: kit.broker.settler.pending == 1, timeout=10)
+        time.sleep(0.5)
+        assert kit.broker.held() == {"default": 1}  # not acked without its done mark
+        server.start()
+        wait_for(lambda: kit.broker.settler.pending == 0 and kit.broker.held() == {}, timeout=10)
+        kit.broker.enqueue(sent)  # a copy of the id: its done mark is in Redis, so it is skipped
+        wait_for(lambda: kit.broker.get_queue_message_counts("default") == (0, 0, 0) and kit.broker.held() == {})
+        time.sleep(0.2)
+        worker.stop()
+        assert ran == [1]
+    finally:
+        server.stop()

@@ -118,6 +118,18 @@ def malformed(message: Message[Any]) -> str:
     It takes the message before its proxy wraps it: read through the proxy's
     ``__getattr__``, the six fields cost five times as much.
     """
+    # What the JSON decoder gives a sound message, checked first in one expression: the
+    # loop below, which names the culprit, costs about as much again per message.
+    if (
+        type(message.queue_name) is str
+        and type(message.actor_name) is str
+        and type(message.message_id) is str
+        and type(message.kwargs) is dict
+        and type(message.options) is dict
+        and type(message.message_timestamp) is int
+        and NUMERIC_OPTIONS.isdisjoint(message.options)
+    ):
+        return ""
     for field, kind in (
         ("queue_name", str),
         ("actor_name", str),

@@ -42,7 +42,9 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   to Redis (``rabbitmq/record.lua``), then its ack; the settles of one window
   (``WORKER_SETTLE_WINDOW``) together. The acks wait for the window once more on
   the consumer's connection, and its settled prefix goes as one ``basic.ack``
-  with ``multiple``. ``docs/life-of-a-message.md`` follows a
+  with ``multiple``. An ack whose only write is its outcome skips the settler's
+  thread: the consumer's thread writes its window's outcomes, then acks them.
+  ``docs/life-of-a-message.md`` follows a
   message through it, and says what a ``kill -9`` at each step does.
 * A consumer takes every message pika already holds when one arrives, and hands
   them to the middleware's ``after_fetch`` together (one round trip for their
@@ -442,13 +444,41 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
 
         A message with nothing to record or publish costs no round trip to settle,
         so collecting it would only add the hand-over to the settler's thread: its
-        consumer's connection collects it (:meth:`_Consumer.ack_on_channel`).
+        consumer's connection collects it (:meth:`_Consumer.ack_on_channel`). So does
+        an ack whose only write is its idempotency outcome: the connection's thread
+        writes the outcomes of its window in one call, then acks them
+        (:meth:`_Consumer.record_and_ack`). What publishes a copy, and every nack,
+        goes through the settler.
         """
         consumer: _Consumer | None = getattr(message, "_consumer", None)
-        if plan_of(message) is None and consumer is not None and command == "ack":
-            consumer.ack_on_channel([(message, command)])
-        else:
-            super().settle_soon(queue_name, message, command)
+        if consumer is not None and command == "ack":
+            plan = plan_of(message)
+            if plan is None:
+                consumer.ack_on_channel([(message, command)])
+                return
+            if plan.copy is None and self.settler is not None:
+                consumer.record_and_ack(message)
+                return
+        super().settle_soon(queue_name, message, command)
+
+    def _record_plans(self, messages: Iterable[MessageProxy]) -> None:
+        """Write the idempotency outcomes of ``messages`` to Redis in one call (``record.lua``).
+
+        Raises:
+            ConnectionClosed: Redis did not take it (written twice, an outcome is the same).
+        """
+        record_keys: list[str] = []
+        record_args: list[Any] = [keys.done_marks(self.namespace)]
+        for message in messages:
+            plan = plan_of(message)
+            if plan is not None and plan.key:
+                record_keys.append(plan.key)
+                record_args += [plan.outcome, plan.token, plan.mark, plan.retention_ms]
+        if record_keys:
+            try:
+                self._record(keys=record_keys, args=record_args)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
     def _write_settles(self, batch: Sequence[Settle]) -> None:
         """Settle ``batch``: every copy published and confirmed, then every outcome in one call, then the acks.
@@ -475,18 +505,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
                 self.send_failed(copy, None)
             else:
                 self.emit_after("enqueue", copy, plan.delay_ms)
-        record_keys: list[str] = []
-        record_args: list[Any] = [keys.done_marks(self.namespace)]
-        for _, message, _ in batch:
-            plan = plan_of(message)
-            if plan is not None and plan.key:
-                record_keys.append(plan.key)
-                record_args += [plan.outcome, plan.token, plan.mark, plan.retention_ms]
-        if record_keys:
-            try:
-                self._record(keys=record_keys, args=record_args)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        self._record_plans(message for _, message, _ in batch)
         by_consumer: dict[_Consumer, list[tuple[Any, str]]] = {}
         for _, message, command in batch:
             consumer: _Consumer | None = getattr(message, "_consumer", None)
@@ -634,7 +653,10 @@ class _Consumer(_RabbitmqConsumer):
         self._ready: deque[Any] = deque()
         #: ``(delivery tag, "ack"|"nack"|"requeue")`` to send on the channel at its thread's next turn, in order.
         self._to_settle: list[tuple[int, str]] = []
-        #: Guards ``_to_settle`` with ``known_tags``: a tag leaves the one as it joins the other.
+        #: Acks whose idempotency outcome the connection's thread writes to Redis first (:meth:`record_and_ack`);
+        #: their tags stay in ``known_tags`` until it is written, so no multiple ack covers them before.
+        self._to_record: list[Any] = []
+        #: Guards ``_to_settle`` and ``_to_record`` with ``known_tags``: a tag leaves it as it joins ``_to_settle``.
         self._settle_lock = threading.Lock()
         #: The tags of ``known_tags`` in delivery order (and some settled ones, dropped as the front is read).
         self._delivered: deque[int] = deque()
@@ -798,7 +820,7 @@ class _Consumer(_RabbitmqConsumer):
             return
         settled = []
         with self._settle_lock:
-            before = len(self._to_settle)
+            before = len(self._to_settle) + len(self._to_record)
             for message, command in settles:
                 tag = message._tag
                 if tag not in self.known_tags:
@@ -810,8 +832,33 @@ class _Consumer(_RabbitmqConsumer):
                 acked = command == "ack" or message.__dict__.get(_DEAD_LETTERED_ATTR)
                 self._to_settle.append((tag, "ack" if acked else command))
                 settled.append((message, command))
-            after = len(self._to_settle)
+            after = before + len(settled)
         self.broker.count_settled(self.queue_name, settled)
+        self._hand_over(before, after)
+
+    def record_and_ack(self, message: Any) -> None:
+        """Ack ``message`` once its idempotency outcome is in Redis, both from the connection's thread.
+
+        It waits with the acks of its window (:meth:`ack_on_channel`); at the window's end the
+        connection's thread writes the outcomes of all that wait in one call, then acks them with
+        the rest: one thread and one wait per window, where the settler's thread would add
+        another of each. Should Redis not take them, they go to the settler, which tries again.
+        """
+        if self.connection.is_closed:
+            self.ack_on_channel([(message, "ack")])  # logs that it is not settled
+            return
+        with self._settle_lock:
+            if message._tag not in self.known_tags:
+                logger.warning(
+                    "not settling message %s of queue %r: already settled", message.message_id, self.queue_name
+                )
+                return
+            before = len(self._to_settle) + len(self._to_record)
+            self._to_record.append(message)
+        self._hand_over(before, before + 1)
+
+    def _hand_over(self, before: int, after: int) -> None:
+        """Wake the connection's thread for what waits: at once at half the prefetch, else after the window."""
         if before < self._send_at <= after:
             send = self._send_settles
         elif before == 0 < after:
@@ -822,6 +869,25 @@ class _Consumer(_RabbitmqConsumer):
             self.connection.add_callback_threadsafe(send)
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+    def _record(self) -> None:
+        """Write the outcomes waiting in ``_to_record`` in one call, and move their acks to ``_to_settle``."""
+        with self._settle_lock:
+            messages, self._to_record = self._to_record, []
+        try:
+            self.broker._record_plans(messages)
+        except Exception:  # the settler retries it, logs, or gives up, as with its own batches
+            settler = self.broker.settler
+            assert settler is not None  # record_and_ack is used with a settle window only
+            for message in messages:
+                settler.add((self.queue_name, message, "ack"))
+            return
+        settles = [(message, "ack") for message in messages]
+        with self._settle_lock:
+            for message, _ in settles:
+                self.known_tags.discard(message._tag)
+                self._to_settle.append((message._tag, "ack"))
+        self.broker.count_settled(self.queue_name, settles)
 
     def _send_soon(self) -> None:
         """On the connection's thread: send what waits in ``_to_settle`` once the settle window has passed."""
@@ -847,6 +913,8 @@ class _Consumer(_RabbitmqConsumer):
         :data:`ACK_WAIT_WINDOWS` windows more to be covered the same way (most are:
         the oldest finishes meanwhile), then goes on its own.
         """
+        if self._to_record:
+            self._record()
         with self._settle_lock:
             batch, self._to_settle = self._to_settle, []
             delivered = self._delivered
