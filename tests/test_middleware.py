@@ -275,11 +275,13 @@ def test_a_worker_freezes_what_it_holds_at_boot_out_of_garbage_collection_unless
             worker.terminate()
             worker.wait(30)
         assert worker.returncode == 0, log.read_text()
-        frozen = int(rdb.get(f"{prefix}:test:frozen"))
+        frozen, young = int(rdb.get(f"{prefix}:test:frozen")), int(rdb.get(f"{prefix}:test:young"))
         if setting == "true":
             assert frozen > 10_000, frozen  # the imports: modules, classes, functions
+            assert young == gp.middleware.gc_freeze.YOUNG_THRESHOLD
         else:
             assert frozen == 0
+            assert young < gp.middleware.gc_freeze.YOUNG_THRESHOLD  # CPython's own
         for key in rdb.scan_iter(f"{prefix}:*"):
             rdb.delete(key)
 

@@ -537,7 +537,10 @@ class _Consumer(_RedisConsumer):
         return int(self.prefetch - self.outstanding_message_count)
 
     def _wake_if_room(self) -> None:
-        if self._room() >= self._refill_at:
+        # Set only when not set: ``Event.set`` takes a lock and notifies each time, and until the
+        # consumer runs out of fetched messages every settle would set it again. Skipping is safe:
+        # the consumer clears it before it reads the room, which this settle has already freed.
+        if self._room() >= self._refill_at and not self._freed.is_set():
             self._freed.set()
 
     def _accept(self, batch: list[tuple[str, bytes | None]]) -> list[MessageProxy]:

@@ -3,7 +3,8 @@
 Run as ``dramatiq tests.apps.module_job_app`` with ``REDIS_URL``, ``VALKEY_NAMESPACE``
 and ``GP_TEST_STYLE`` (``kit`` or ``middleware``); each run of the job counts
 itself in ``<namespace>:test:ticks`` and writes how many objects the process has frozen out of
-garbage collection (``gp.GcFreeze``) to ``<namespace>:test:frozen``; the ``async def`` one counts
+garbage collection (``gp.GcFreeze``) to ``<namespace>:test:frozen`` and its young generation's
+threshold to ``<namespace>:test:young``; the ``async def`` one counts
 itself in ``<namespace>:test:async_ticks``.
 """
 
@@ -25,6 +26,7 @@ counter = redis.Redis.from_url(os.environ["REDIS_URL"])
 @gp.job("test.module.tick", every="1s")
 def tick() -> None:
     counter.set(f"{namespace}:test:frozen", gc.get_freeze_count())
+    counter.set(f"{namespace}:test:young", gc.get_threshold()[0])
     counter.incr(f"{namespace}:test:ticks")
 
 
