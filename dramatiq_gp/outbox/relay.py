@@ -24,6 +24,10 @@ holding back the rows behind it. A row that can never become a message (JSON
 nested too deep to read or write, a payload that is not an object, a trace
 context that is not one) is set aside at once, with the reason, alone: the
 relay reads each row's JSON itself, so one such row cannot fail its batch.
+It encodes each message itself, as Dramatiq's ``Message.encode`` would (the
+same dict, in its field order, through the compact ``json.dumps`` of Dramatiq's
+``JSONEncoder`` when that is the encoder set), and a broker may send those bytes
+as they are: a test compares them with Dramatiq's own.
 
 Between rounds the relay waits for a NOTIFY (sent by ``dispatch`` at commit) or
 its poll interval, which backs off from ``OUTBOX_POLL_INTERVAL_MIN`` to ``_MAX``
@@ -47,7 +51,7 @@ from typing import Any
 import psycopg
 import redis
 import sqlalchemy as sa
-from dramatiq import Message, get_encoder
+from dramatiq import JSONEncoder, Message, get_encoder
 from dramatiq.errors import BrokerConnectionError
 from opentelemetry.metrics import Observation
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -198,7 +202,7 @@ class Relay:
                 self._next_due = self._seconds_to_next_due(conn)
                 return 0
             messages, bodies, published, poisoned = [], [], [], []
-            encode, timestamp = get_encoder().encode, int(time.time() * 1000)
+            encode, timestamp = _encoder(), int(time.time() * 1000)
             for row in rows:
                 try:
                     message, body = self._message(row, encode, timestamp)
@@ -453,6 +457,19 @@ class Relay:
             except psycopg.Error as exc:
                 self.logger.warning("outbox relay lost its LISTEN connection, polling until it is back: %s", exc)
                 self.close()
+
+
+#: What Dramatiq's ``JSONEncoder.encode`` runs (``json.dumps`` with these separators), built once:
+#: ``json.dumps`` with any option builds an encoder per call. A test pins the bytes to Dramatiq's.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _encoder() -> Any:
+    """The message encoder Dramatiq is set to use, as a function; its JSON one without the per-call set-up."""
+    encoder = get_encoder()
+    if type(encoder) is JSONEncoder:
+        return lambda data: _COMPACT_JSON(data).encode("utf-8")
+    return encoder.encode
 
 
 def _utcnow() -> datetime:
