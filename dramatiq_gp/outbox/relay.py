@@ -265,7 +265,7 @@ class Relay:
         return prune(self.engine, self.inbox_retention)
 
     def _message(self, row: Any, encode: Any, timestamp: int) -> tuple[Message[Any], bytes]:
-        """The row's message, stamped ``timestamp``, and its encoding by ``encode`` (which the broker may send as it is)."""
+        """The row's message, stamped ``timestamp``, and its encoding by ``encode`` (the broker may send it as is)."""
         # Unpacked once: each attribute of a result row is a lookup by name.
         row_id, event, payload_text, trace_text, _attempts, created_at, not_before = row
         payload, trace_context = _json(payload_text, "payload"), _json(trace_text, "trace_context")
@@ -289,7 +289,7 @@ class Relay:
         actor = event_actor(event)
         # The dispatching code's context is the message's creation context.
         options = {ORIGIN: trace_context} if trace_context else {}
-        fields = {
+        fields: dict[str, Any] = {
             "queue_name": EVENT_QUEUE,
             "actor_name": actor,
             "args": args,
