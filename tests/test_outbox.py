@@ -338,6 +338,29 @@ def test_the_dispatching_trace_context_is_stored_and_travels_with_the_event(outb
     assert message["options"]["gp_trace_origin"] == row.trace_context
 
 
+def test_the_relay_encodes_each_message_byte_for_byte_as_dramatiq_would(outbox_kit, engine):
+    # The relay builds the dict Message.encode would (without its per-field introspection), and a
+    # broker may send those bytes as they are: they must be Dramatiq's own encoding of the message.
+    kit = outbox_kit()
+    tracer = TracerProvider().get_tracer("test")
+    with engine.begin() as conn:
+        gp.dispatch(conn, Paid(1))
+    with tracer.start_as_current_span("http request"), engine.begin() as conn:
+        gp.dispatch(conn, Loose({"nested": ["é", 1.5, None]}))
+    sent: list[tuple[Any, Any]] = []
+    enqueue_many = kit.broker.enqueue_many
+
+    def recording(messages: Any, **options: Any) -> Any:
+        sent.append((list(messages), options.get("encoded")))
+        return enqueue_many(messages, **options)
+
+    kit.broker.enqueue_many = recording
+    assert kit.relay.relay_once() == 2
+    ((messages, encoded),) = sent
+    assert encoded == [message.encode() for message in messages]
+    assert {bool(message.options) for message in messages} == {False, True}  # with and without a trace context
+
+
 def test_relays_racing_in_threads_publish_each_event_once(outbox_kit, engine, rdb, namespace):
     kit = outbox_kit(env={"OUTBOX_BATCH_SIZE": "50"})
     with engine.begin() as conn:

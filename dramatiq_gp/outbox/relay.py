@@ -24,6 +24,10 @@ holding back the rows behind it. A row that can never become a message (JSON
 nested too deep to read or write, a payload that is not an object, a trace
 context that is not one) is set aside at once, with the reason, alone: the
 relay reads each row's JSON itself, so one such row cannot fail its batch.
+It encodes each message itself, as Dramatiq's ``Message.encode`` would (the
+same dict, in its field order, through the compact ``json.dumps`` of Dramatiq's
+``JSONEncoder`` when that is the encoder set), and a broker may send those bytes
+as they are: a test compares them with Dramatiq's own.
 
 Between rounds the relay waits for a NOTIFY (sent by ``dispatch`` at commit) or
 its poll interval, which backs off from ``OUTBOX_POLL_INTERVAL_MIN`` to ``_MAX``
@@ -47,7 +51,7 @@ from typing import Any
 import psycopg
 import redis
 import sqlalchemy as sa
-from dramatiq import Message
+from dramatiq import JSONEncoder, Message, get_encoder
 from dramatiq.errors import BrokerConnectionError
 from opentelemetry.metrics import Observation
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -198,9 +202,10 @@ class Relay:
                 self._next_due = self._seconds_to_next_due(conn)
                 return 0
             messages, bodies, published, poisoned = [], [], [], []
+            encode, timestamp = _encoder(), int(time.time() * 1000)
             for row in rows:
                 try:
-                    message, body = self._message(row)
+                    message, body = self._message(row, encode, timestamp)
                 except PoisonEvent as exc:
                     poisoned.append((row, exc))
                     continue
@@ -259,45 +264,47 @@ class Relay:
         assert self.inbox_retention is not None
         return prune(self.engine, self.inbox_retention)
 
-    def _message(self, row: Any) -> tuple[Message[Any], bytes]:
-        """The row's message, and its encoding (which the broker may send as it is)."""
-        payload, trace_context = _json(row.payload, "payload"), _json(row.trace_context, "trace_context")
+    def _message(self, row: Any, encode: Any, timestamp: int) -> tuple[Message[Any], bytes]:
+        """The row's message, stamped ``timestamp``, and its encoding by ``encode`` (the broker may send it as is)."""
+        # Unpacked once: each attribute of a result row is a lookup by name.
+        row_id, event, payload_text, trace_text, _attempts, created_at, not_before = row
+        payload, trace_context = _json(payload_text, "payload"), _json(trace_text, "trace_context")
         if not isinstance(payload, dict):
             raise UnreadableRow(f"its payload is a JSON {type(payload).__name__}, not an object")
         if trace_context is not None and not isinstance(trace_context, dict):
             raise UnreadableRow(f"its trace_context is a JSON {type(trace_context).__name__}, not an object")
-        kind = event_type_named(row.event)
+        kind = event_type_named(event)
         if kind is None:
-            raise PoisonEvent(f"event type {row.event!r} is unknown here (no class declares it)")
+            raise PoisonEvent(f"event type {event!r} is unknown here (no class declares it)")
         try:
             kind.decode(payload)
         except PayloadMismatch as exc:
             raise PoisonEvent(str(exc)) from None
-        event_id = str(row.id)
+        event_id = str(row_id)
         # ``at``: a listener retired after the event was written still gets it (see subscriptions). A
         # delayed event is written when due: it fans out to whoever listens then, as if dispatched then.
-        written = row.not_before or row.created_at
+        written = not_before or created_at
         written = written if written.tzinfo else written.replace(tzinfo=UTC)
-        envelope: dict[str, Any] = {
-            "id": event_id,
-            "event": row.event,
-            "data": payload,
-            "at": int(written.timestamp() * 1000),
+        args = ({"id": event_id, "event": event, "data": payload, "at": int(written.timestamp() * 1000)},)
+        actor = event_actor(event)
+        # The dispatching code's context is the message's creation context.
+        options = {ORIGIN: trace_context} if trace_context else {}
+        fields: dict[str, Any] = {
+            "queue_name": EVENT_QUEUE,
+            "actor_name": actor,
+            "args": args,
+            "kwargs": {},
+            "options": options,
+            "message_id": event_id,
+            "message_timestamp": timestamp,
         }
-        message: Message[Any] = Message(
-            queue_name=EVENT_QUEUE,
-            actor_name=event_actor(row.event),
-            args=(envelope,),
-            kwargs={},
-            # The dispatching code's context is the message's creation context.
-            options={ORIGIN: trace_context} if trace_context else {},
-            message_id=event_id,
-        )
         try:
-            body = message.encode()  # what the broker will do: a row it cannot encode must not fail the batch there
+            # What Message.encode does (the same dict, in its field order), without Message.asdict's
+            # per-field introspection; done here so that a row the broker cannot encode does not fail the batch.
+            body = encode(fields)
         except (ValueError, TypeError, RecursionError) as exc:
             raise UnreadableRow(f"it cannot be encoded as a message ({type(exc).__name__})") from None
-        return message, body
+        return Message(**fields), body
 
     def backlog(self) -> tuple[int, float]:
         """Due rows not yet relayed, and seconds since the oldest of them fell due (delayed rows not yet due: none)."""
@@ -450,6 +457,19 @@ class Relay:
             except psycopg.Error as exc:
                 self.logger.warning("outbox relay lost its LISTEN connection, polling until it is back: %s", exc)
                 self.close()
+
+
+#: What Dramatiq's ``JSONEncoder.encode`` runs (``json.dumps`` with these separators), built once:
+#: ``json.dumps`` with any option builds an encoder per call. A test pins the bytes to Dramatiq's.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _encoder() -> Any:
+    """The message encoder Dramatiq is set to use, as a function; its JSON one without the per-call set-up."""
+    encoder = get_encoder()
+    if type(encoder) is JSONEncoder:
+        return lambda data: _COMPACT_JSON(data).encode("utf-8")
+    return encoder.encode
 
 
 def _utcnow() -> datetime:
