@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import sqlalchemy as sa
+from sentry_sdk.envelope import Envelope
+from sentry_sdk.transport import Transport
 
 import dramatiq_gp as gp
 from dramatiq_gp import keys
@@ -219,3 +221,16 @@ def spoil_schedule(client: Any, scheduler: keys.SchedulerKeys, case: str) -> str
     else:
         client.hset(name, field, value)
     return shown
+
+
+class SentryRecorder(Transport):
+    """A Sentry transport that keeps the events it would send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[dict[str, Any]] = []
+
+    def capture_envelope(self, envelope: Envelope) -> None:
+        event = envelope.get_event()
+        if event is not None:
+            self.events.append(event)

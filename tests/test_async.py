@@ -23,13 +23,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from sentry_sdk.envelope import Envelope
-from sentry_sdk.transport import Transport
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 import dramatiq_gp as gp
 from dramatiq_gp.middleware.sentry import Sentry
-from helpers import wait_for
+from helpers import SentryRecorder, wait_for
 
 
 @gp.event("test.async.order_placed")
@@ -276,21 +274,8 @@ def test_an_event_dispatched_async_reaches_an_async_listener_through_the_relay(
     wait_for(lambda: got == [11], timeout=15)
 
 
-class _Recorder(Transport):
-    """A Sentry transport that keeps what it would send."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[dict[str, Any]] = []
-
-    def capture_envelope(self, envelope: Envelope) -> None:
-        event = envelope.get_event()
-        if event is not None:
-            self.events.append(event)
-
-
 def test_an_async_listener_runs_in_its_messages_sentry_scope_and_its_final_failure_is_one_event():
-    recorder = _Recorder()
+    recorder = SentryRecorder()
     sentry_sdk.init(dsn="https://key@o1.ingest.sentry.io/1", transport=recorder)
     tags: list[dict[str, Any]] = []
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import sentry_sdk
@@ -19,30 +18,16 @@ from dramatiq import Message
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
 from sentry_sdk import Scope
-from sentry_sdk.envelope import Envelope
 from sentry_sdk.integrations import logging as sentry_logging
-from sentry_sdk.transport import Transport
 
 import dramatiq_gp as gp
 from dramatiq_gp.middleware.sentry import Sentry
-
-
-class _Recorder(Transport):
-    """A Sentry transport that keeps the events it would send."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[dict[str, Any]] = []
-
-    def capture_envelope(self, envelope: Envelope) -> None:
-        event = envelope.get_event()
-        if event is not None:
-            self.events.append(event)
+from helpers import SentryRecorder
 
 
 @pytest.fixture
-def recorder() -> Iterator[_Recorder]:
-    recorder = _Recorder()
+def recorder() -> Iterator[SentryRecorder]:
+    recorder = SentryRecorder()
     sentry_sdk.init(dsn="https://key@o1.ingest.sentry.io/1", transport=recorder)
     try:
         yield recorder
