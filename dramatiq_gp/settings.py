@@ -382,13 +382,13 @@ class RedisSettings(BaseSettings):
             name: options.get(name, SENTINEL_TIMEOUT_S) for name in ("socket_connect_timeout", "socket_timeout")
         }
         secret = self.sentinel_password.get_secret_value() if self.sentinel_password else None
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed since redis 8.2
             self.sentinels,
             sentinel_kwargs={**tls, **timeouts, "username": self.sentinel_username, "password": secret},
         )
         password = self.password.get_secret_value() if self.password else None
         data = {**tls, "db": self.db, "username": self.username, "password": password}
-        return sentinel.master_for(  # type: ignore[no-untyped-call,no-any-return]
+        return sentinel.master_for(  # type: ignore[no-untyped-call,no-any-return,unused-ignore]
             self.sentinel_master, connection_pool_class=_sentinel_pool_class(), **{**data, **options}
         )
 

@@ -120,7 +120,7 @@ class Lease:
 
     def _listen(self) -> None:
         """Wake the contending thread whenever a leader releases the lease (on a connection of its own)."""
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]  # typed since redis 8.2
         try:
             while not self._stop.is_set():
                 try:
