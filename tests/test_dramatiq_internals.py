@@ -1316,3 +1316,14 @@ def test_a_worker_process_logs_through_a_streamable_pipe_the_parent_writes_to_th
     ]
     assert "a line through the pipe" in log.read_text()
     assert cli.fork_process.__code__.co_varnames[0] == "args"  # the fork processes' frame has it too
+
+
+def test_dramatiq_reads_its_prefetch_variable_into_queue_prefetch(monkeypatch):
+    # The kit's Redis consumer grows its prefetch only when this global is 0 (the variable unset).
+    from dramatiq.brokers.stub import StubBroker
+
+    assert int(os.environ.get("dramatiq_queue_prefetch", 0)) == dramatiq.worker.QUEUE_PREFETCH  # noqa: SIM112 (Dramatiq's spelling)
+    monkeypatch.setattr(dramatiq.worker, "QUEUE_PREFETCH", 0)
+    assert Worker(StubBroker(), worker_threads=3).queue_prefetch == 6
+    monkeypatch.setattr(dramatiq.worker, "QUEUE_PREFETCH", 5)
+    assert Worker(StubBroker(), worker_threads=3).queue_prefetch == 5

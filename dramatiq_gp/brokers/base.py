@@ -177,6 +177,9 @@ class KitBroker(Broker):
     #: queue's share: enough that its buffer does not run dry between fetches, which would hand
     #: its turns to a lighter queue.
     prefetch_per_thread = 8
+    #: Whether each consumer keeps the prefetch it was given (``QueueWeights`` sized it), rather
+    #: than grow it with its throughput when left at Dramatiq's default (the Redis broker).
+    fixed_prefetch = False
     #: Collects the settles of ``WORKER_SETTLE_WINDOW`` into one batch; None settles each at once.
     settler: Settler[Settle] | None = None
 

@@ -177,6 +177,7 @@ class QueueWeights(Middleware):
         self._threads = worker.worker_threads
         if isinstance(broker, KitBroker):
             self._per_thread = broker.prefetch_per_thread
+            broker.fixed_prefetch = True
             broker.worker_info.update(weights=weights, strict=self.strict)
         self._work_queue = WeightedQueue(weights, strict=self.strict)
         worker.work_queue = self._work_queue  # type: ignore[assignment]
