@@ -316,11 +316,6 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _redis_cpu_seconds(client: redis.Redis) -> float:
-    cpu = client.info("cpu")
-    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
-
-
 def run_cli(variant: str, *, messages: int, threads: int, prefetch: int, core: int, redis_url: str, **_: Any) -> Run:
     """Run ``variant`` as a user deploys it: ``dramatiq -p 1 -t <threads> benchmarks.overhead_app --log-file F``.
 
