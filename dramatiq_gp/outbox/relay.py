@@ -12,11 +12,18 @@ round, in one database transaction, a relay
    message confirmed);
 3. marks the rows published (or deletes them when ``OUTBOX_RETENTION=0``) and commits.
 
+While batches come back full, a relay on PostgreSQL pipelines them
+(:meth:`Relay.relay_batches`): each batch still in a transaction of its own, the
+next one is claimed, and the one before committed, by two threads of the relay
+on connections of their own while this one is sent, so the database's round
+trips and the broker's (on RabbitMQ, the confirms) overlap; a busy relay holds
+up to three of the engine's connections.
+
 Every ``PURGE_INTERVAL_S`` it also deletes a batch of published rows past
 ``OUTBOX_RETENTION`` and one of inbox rows past ``OUTBOX_INBOX_RETENTION`` (again
 a second later while a batch comes back full), never all at once.
 
-A crash between 2 and 3 leaves the rows pending: another relay enqueues them
+A crash between 2 and 3 (of any batch in the pipeline) leaves the rows pending: another relay enqueues them
 again under the same ids, and idempotent execution turns the copies into no-ops.
 A row whose event this process cannot read (an unknown event type, a payload that
 no longer matches its class) is retried with backoff, then set aside, without
