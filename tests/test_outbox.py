@@ -448,6 +448,33 @@ def test_a_send_failing_in_the_pipeline_leaves_its_batch_and_the_one_claimed_ahe
     assert set(queued) == ids
 
 
+def test_a_pool_that_cannot_lend_a_second_connection_in_time_is_said_once_and_relayed_one_batch_at_a_time(
+    make_kit, engine, rdb, namespace, caplog
+):
+    one = sa.create_engine(engine.url, pool_size=1, max_overflow=0, pool_timeout=0.3)
+    try:
+        kit = make_kit(env={"OUTBOX_BATCH_SIZE": "10"}, engine=one)
+        with one.begin() as conn:
+            ids = {gp.dispatch(conn, Paid(n)) for n in range(45)}
+        enqueue_many = kit.broker.enqueue_many
+
+        def slow(messages, **options):
+            # Longer than the pool's timeout: the claim ahead cannot have the one connection in time.
+            time.sleep(0.5)
+            return enqueue_many(messages, **options)
+
+        kit.broker.enqueue_many = slow
+        caplog.set_level(logging.WARNING, logger="dramatiq_gp.outbox")
+        assert sum(iter(kit.relay.relay_batches, 0)) == 45
+        said = [r for r in caplog.records if "lends it no second connection" in r.getMessage()]
+        assert len(said) == 1
+        queued = [m["message_id"] for m in _queued(rdb, namespace)]
+        assert len(queued) == len(set(queued)) == 45
+        assert set(queued) == ids
+    finally:
+        one.dispose()
+
+
 def test_sqlite_works_for_a_single_relay(make_kit, tmp_path, rdb, namespace):
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'demo.db'}")
     gp.outbox.migrate(engine)

@@ -171,6 +171,8 @@ class Relay:
         self._listener: psycopg.Connection[Any] | None = None
         #: The threads that claim the next batch and commit the last one while one is sent (:meth:`relay_batches`).
         self._stages: dict[str, ThreadPoolExecutor] = {}
+        #: Set when the engine's pool could not lend the pipeline a second connection: one batch at a time.
+        self._serial = False
         self._last_purge = 0.0
         self._next_prune = 0.0
         #: Whether the table was found as this version needs it; and whether it was found not to be (said once).
@@ -236,9 +238,10 @@ class Relay:
         rows the batches in flight hold, and sees those committed as published, so
         no row is sent twice while nothing fails. Whatever fails, the batches not
         yet committed roll back and stay pending (a sent one is sent again, under
-        the same ids, as after a crash).
+        the same ids, as after a crash). An engine whose pool cannot lend a second
+        connection within its timeout is said so once, and relayed one batch at a time.
         """
-        if not self._postgres:
+        if not self._postgres or self._serial:
             return self.relay_once()
         current = self._begin()
         handled, until = 0, time.monotonic() + PIPELINE_FOR_S
@@ -258,7 +261,11 @@ class Relay:
                 if before is not None:
                     handled += before.result()
                 if ahead is not None:
-                    current, ahead = ahead.result(), None
+                    try:
+                        current = ahead.result()
+                    except sa.exc.TimeoutError:
+                        self._pool_too_small()
+                    ahead = None
             if committing is not None:
                 handled, committing = handled + committing.result(), None
         finally:
@@ -272,6 +279,13 @@ class Relay:
                 with contextlib.suppress(Exception):
                     committing.result()  # a sent batch: let its commit end, or fail
         return handled
+
+    def _pool_too_small(self) -> None:
+        self._serial = True
+        self.logger.warning(
+            "outbox relay: the engine's pool lends it no second connection within its timeout; relaying one batch "
+            "at a time (give the pool three connections to spare, e.g. DB_POOL_SIZE, for the relay's pipeline)"
+        )
 
     def _stage(self, name: str) -> ThreadPoolExecutor:
         """The relay's thread for one stage of :meth:`relay_batches`, started at first use."""
