@@ -51,13 +51,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import queue
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import redis
@@ -130,6 +131,40 @@ class UnreadableRow(PoisonEvent):
     """A row no process can turn into a message: retrying it would not help."""
 
 
+_R = TypeVar("_R")
+
+
+class _Stage:
+    """A daemon thread running what it is given, in turn: a stage of :meth:`Relay.relay_batches`.
+
+    Not a ``ThreadPoolExecutor``: the interpreter waits for those threads at exit,
+    and a stage stuck on a database that does not answer would hold up a worker's
+    exit, as the relay's own thread (a daemon) does not.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, function: Callable[..., _R], *args: Any) -> Future[_R]:
+        future: Future[_R] = Future()
+        self._jobs.put((future, function, args))
+        return future
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, function, args = job
+            try:
+                future.set_result(function(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+
 @dataclass
 class _Claim:
     """A claimed batch: its rows, the messages of those that can be sent (ids, encodings), the poisoned ones."""
@@ -170,7 +205,7 @@ class Relay:
         self._thread: threading.Thread | None = None
         self._listener: psycopg.Connection[Any] | None = None
         #: The threads that claim the next batch and commit the last one while one is sent (:meth:`relay_batches`).
-        self._stages: dict[str, ThreadPoolExecutor] = {}
+        self._stages: dict[str, _Stage] = {}
         #: Set when the engine's pool could not lend the pipeline a second connection: one batch at a time.
         self._serial = False
         self._last_purge = 0.0
@@ -207,7 +242,7 @@ class Relay:
             self._thread.join(timeout)
         stages, self._stages = self._stages, {}
         for stage in stages.values():
-            stage.shutdown(wait=False)
+            stage.shutdown()
 
     def close(self) -> None:
         listener, self._listener = self._listener, None  # the relay's thread and a stopping one may both close
@@ -287,11 +322,11 @@ class Relay:
             "at a time (give the pool three connections to spare, e.g. DB_POOL_SIZE, for the relay's pipeline)"
         )
 
-    def _stage(self, name: str) -> ThreadPoolExecutor:
+    def _stage(self, name: str) -> _Stage:
         """The relay's thread for one stage of :meth:`relay_batches`, started at first use."""
         stage = self._stages.get(name)
         if stage is None:
-            stage = self._stages[name] = ThreadPoolExecutor(1, thread_name_prefix=f"gp-outbox-{name}")
+            stage = self._stages[name] = _Stage(f"gp-outbox-{name}")
         return stage
 
     def _begin(self) -> _Batch | None:
