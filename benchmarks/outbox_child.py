@@ -79,7 +79,7 @@ def main(mode: str) -> None:
         return
 
     step = (
-        (lambda: kit.relay.relay_once())
+        (lambda: kit.relay.relay_batches())
         if mode == "drain"
         else (lambda: naive_once(kit, kit.settings.outbox.batch_size))
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import redis
 import sqlalchemy as sa
 from opentelemetry.sdk.trace import TracerProvider
 from sqlalchemy.orm import Session
@@ -379,6 +380,100 @@ def test_relays_racing_in_threads_publish_each_event_once(outbox_kit, engine, rd
     queued = [m["message_id"] for m in _queued(rdb, namespace)]
     assert len(queued) == len(set(queued)) == 1000
     assert set(queued) == set(ids)
+
+
+def _claimable(engine: sa.Engine) -> int:
+    """Pending rows another relay could claim now (none held by an open transaction)."""
+    with engine.begin() as conn:
+        pending = sa.select(T.id).where(T.published_at.is_(None), T.failed_at.is_(None))
+        return len(conn.execute(pending.with_for_update(skip_locked=True)).all())
+
+
+def test_a_busy_relay_pipelines_its_batches_marking_each_only_after_its_enqueue(outbox_kit, engine, rdb, namespace):
+    kit = outbox_kit(env={"OUTBOX_BATCH_SIZE": "50"})
+    with engine.begin() as conn:
+        ids = {gp.dispatch(conn, Paid(n)) for n in range(1000)}
+    relay, enqueue_many = kit.relay, kit.broker.enqueue_many
+    marked_at_send, stages = [], set()
+
+    def enqueue_checking(messages, **options):
+        batch = [uuid.UUID(m.message_id) for m in messages]
+        with engine.connect() as conn:
+            marked = sa.select(sa.func.count()).where(T.id.in_(batch), T.published_at.is_not(None))
+            marked_at_send.append(conn.execute(marked).scalar_one())
+        return enqueue_many(messages, **options)
+
+    def claim_noting(conn):
+        stages.add((threading.current_thread().name, threading.current_thread().daemon))
+        return Relay._claim(relay, conn)
+
+    kit.broker.enqueue_many = enqueue_checking
+    relay._claim = claim_noting
+    assert sum(iter(relay.relay_batches, 0)) == 1000
+    assert marked_at_send and set(marked_at_send) == {0}  # no row marked before its enqueue
+    # The batches after the first were claimed while one was sent, by a thread that cannot hold up an exit.
+    assert ("gp-outbox-claim", True) in stages
+    queued = [m["message_id"] for m in _queued(rdb, namespace)]
+    assert len(queued) == len(set(queued)) == 1000
+    assert set(queued) == ids
+    assert all(row.published_at is not None for row in _rows(engine))
+    assert engine.pool.checkedout() == 0
+
+
+def test_a_send_failing_in_the_pipeline_leaves_its_batch_and_the_one_claimed_ahead_pending(
+    outbox_kit, engine, rdb, namespace
+):
+    kit = outbox_kit(env={"OUTBOX_BATCH_SIZE": "50"})
+    with engine.begin() as conn:
+        ids = {gp.dispatch(conn, Paid(n)) for n in range(300)}
+    enqueue_many, calls = kit.broker.enqueue_many, []
+
+    def failing_third(messages, **options):
+        calls.append(len(messages))
+        if len(calls) == 3:
+            raise redis.ConnectionError("the broker went away")
+        return enqueue_many(messages, **options)
+
+    kit.broker.enqueue_many = failing_third
+    with pytest.raises(redis.ConnectionError):
+        kit.relay.relay_batches()
+    # The two batches sent were committed; the failed one and the one claimed ahead rolled back, unlocked.
+    assert sum(row.published_at is not None for row in _rows(engine)) == 100
+    assert _claimable(engine) == 200
+    assert engine.pool.checkedout() == 0
+    assert len(_queued(rdb, namespace)) == 100
+    kit.broker.enqueue_many = enqueue_many
+    assert sum(iter(kit.relay.relay_batches, 0)) == 200
+    queued = [m["message_id"] for m in _queued(rdb, namespace)]
+    assert len(queued) == len(set(queued)) == 300
+    assert set(queued) == ids
+
+
+def test_a_pool_that_cannot_lend_a_second_connection_in_time_is_said_once_and_relayed_one_batch_at_a_time(
+    make_kit, engine, rdb, namespace, caplog
+):
+    one = sa.create_engine(engine.url, pool_size=1, max_overflow=0, pool_timeout=0.3)
+    try:
+        kit = make_kit(env={"OUTBOX_BATCH_SIZE": "10"}, engine=one)
+        with one.begin() as conn:
+            ids = {gp.dispatch(conn, Paid(n)) for n in range(45)}
+        enqueue_many = kit.broker.enqueue_many
+
+        def slow(messages, **options):
+            # Longer than the pool's timeout: the claim ahead cannot have the one connection in time.
+            time.sleep(0.5)
+            return enqueue_many(messages, **options)
+
+        kit.broker.enqueue_many = slow
+        caplog.set_level(logging.WARNING, logger="dramatiq_gp.outbox")
+        assert sum(iter(kit.relay.relay_batches, 0)) == 45
+        said = [r for r in caplog.records if "lends it no second connection" in r.getMessage()]
+        assert len(said) == 1
+        queued = [m["message_id"] for m in _queued(rdb, namespace)]
+        assert len(queued) == len(set(queued)) == 45
+        assert set(queued) == ids
+    finally:
+        one.dispose()
 
 
 def test_sqlite_works_for_a_single_relay(make_kit, tmp_path, rdb, namespace):

@@ -81,6 +81,7 @@ def test_four_relay_processes_racing_over_20000_events_enqueue_each_exactly_once
     assert _pending(engine) == 0
 
 
+@pytest.mark.usefixtures("broker")  # the relay pipelines its batches: a kill may land between its stages
 def test_kill_9_mid_batch_repeatedly_loses_nothing_and_runs_no_listener_twice(
     make_kit, engine, relay_env, start_worker, caplog
 ):

@@ -12,11 +12,18 @@ round, in one database transaction, a relay
    message confirmed);
 3. marks the rows published (or deletes them when ``OUTBOX_RETENTION=0``) and commits.
 
+While batches come back full, a relay on PostgreSQL pipelines them
+(:meth:`Relay.relay_batches`): each batch still in a transaction of its own, the
+next one is claimed, and the one before committed, by two threads of the relay
+on connections of their own while this one is sent, so the database's round
+trips and the broker's (on RabbitMQ, the confirms) overlap; a busy relay holds
+up to three of the engine's connections.
+
 Every ``PURGE_INTERVAL_S`` it also deletes a batch of published rows past
 ``OUTBOX_RETENTION`` and one of inbox rows past ``OUTBOX_INBOX_RETENTION`` (again
 a second later while a batch comes back full), never all at once.
 
-A crash between 2 and 3 leaves the rows pending: another relay enqueues them
+A crash between 2 and 3 (of any batch in the pipeline) leaves the rows pending: another relay enqueues them
 again under the same ids, and idempotent execution turns the copies into no-ops.
 A row whose event this process cannot read (an unknown event type, a payload that
 no longer matches its class) is retried with backoff, then set aside, without
@@ -41,12 +48,17 @@ date is said in one line, and waited for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import redis
@@ -77,6 +89,8 @@ PRUNE_AGAIN_S = 1.0
 MAX_OUTAGE_BACKOFF_S = 5.0
 #: How often a waiting relay checks whether it should stop.
 STOP_CHECK_S = 0.2
+#: How long :meth:`Relay.relay_batches` keeps its pipeline going before the round ends (and purging gets a turn).
+PIPELINE_FOR_S = 1.0
 
 _OUTAGE = (
     sa.exc.OperationalError,
@@ -117,6 +131,59 @@ class UnreadableRow(PoisonEvent):
     """A row no process can turn into a message: retrying it would not help."""
 
 
+_R = TypeVar("_R")
+
+
+class _Stage:
+    """A daemon thread running what it is given, in turn: a stage of :meth:`Relay.relay_batches`.
+
+    Not a ``ThreadPoolExecutor``: the interpreter waits for those threads at exit,
+    and a stage stuck on a database that does not answer would hold up a worker's
+    exit, as the relay's own thread (a daemon) does not.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, function: Callable[..., _R], *args: Any) -> Future[_R]:
+        future: Future[_R] = Future()
+        self._jobs.put((future, function, args))
+        return future
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, function, args = job
+            try:
+                future.set_result(function(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+
+@dataclass
+class _Claim:
+    """A claimed batch: its rows, the messages of those that can be sent (ids, encodings), the poisoned ones."""
+
+    rows: Sequence[Any]
+    messages: list[Message[Any]] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+    published: list[Any] = field(default_factory=list)
+    poisoned: list[tuple[Any, PoisonEvent]] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    """A claim and the connection whose open transaction holds its rows."""
+
+    conn: sa.Connection
+    claim: _Claim
+
+
 class Relay:
     """Forwards committed outbox rows to the queue (see the module docstring).
 
@@ -137,6 +204,10 @@ class Relay:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: psycopg.Connection[Any] | None = None
+        #: The threads that claim the next batch and commit the last one while one is sent (:meth:`relay_batches`).
+        self._stages: dict[str, _Stage] = {}
+        #: Set when the engine's pool could not lend the pipeline a second connection: one batch at a time.
+        self._serial = False
         self._last_purge = 0.0
         self._next_prune = 0.0
         #: Whether the table was found as this version needs it; and whether it was found not to be (said once).
@@ -169,6 +240,9 @@ class Relay:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        stages, self._stages = self._stages, {}
+        for stage in stages.values():
+            stage.shutdown()
 
     def close(self) -> None:
         listener, self._listener = self._listener, None  # the relay's thread and a stopping one may both close
@@ -179,51 +253,165 @@ class Relay:
 
     def relay_once(self) -> int:
         """Relay one batch; returns how many rows it handled (published or set back)."""
-        batch = self.settings.batch_size
         with self.engine.begin() as conn:
-            now = sa.func.statement_timestamp() if self._postgres else _utcnow()
-            # The JSON is read here, row by row: decoded by the driver, one row nested too deep failed the batch.
-            rows = conn.execute(
-                sa.select(
-                    T.id,
-                    T.event,
-                    sa.cast(T.payload, sa.Text).label("payload"),
-                    sa.cast(T.trace_context, sa.Text).label("trace_context"),
-                    T.attempts,
-                    T.created_at,
-                    T.not_before,
-                )
-                .where(T.published_at.is_(None), T.failed_at.is_(None), T.available_at <= now)
-                .order_by(T.available_at)
-                .limit(batch)
-                .with_for_update(skip_locked=True)
-            ).all()
-            if not rows:
-                self._next_due = self._seconds_to_next_due(conn)
-                return 0
-            messages, bodies, published, poisoned = [], [], [], []
-            encode, timestamp = _encoder(), int(time.time() * 1000)
-            for row in rows:
-                try:
-                    message, body = self._message(row, encode, timestamp)
-                except PoisonEvent as exc:
-                    poisoned.append((row, exc))
-                    continue
-                messages.append(message)
-                bodies.append(body)
-                published.append(row.id)
-            if messages:
-                self.broker.enqueue_many(messages, encoded=bodies)
-                done = self._among(published)
-                if self.settings.retention:
-                    conn.execute(sa.update(OUTBOX_EVENTS).where(done).values(published_at=now))
-                else:
-                    conn.execute(sa.delete(OUTBOX_EVENTS).where(done))
-            for row, error in poisoned:
-                self._set_back(conn, row, str(error), now, at_once=isinstance(error, UnreadableRow))
-        if published:
-            self._published.add(len(published))
-        return len(rows)
+            claim = self._claim(conn)
+            if claim is not None:
+                self._send(claim)
+                self._finish(conn, claim)
+        return self._count(claim)
+
+    def relay_batches(self) -> int:
+        """Relay batches while they come back full, for up to :data:`PIPELINE_FOR_S`; returns the rows handled.
+
+        What the relay thread runs each round. On PostgreSQL it is a pipeline of
+        three stages, each batch in a transaction of its own: while this thread
+        waits for a batch's enqueue (on RabbitMQ, its confirms), the relay's claim
+        thread claims the next batch and builds its messages, and its commit
+        thread marks the batch sent before published and commits it; at most three
+        of the engine's connections at a time. A row is still marked only once its
+        enqueue returned, in the transaction that claimed it. A claim skips the
+        rows the batches in flight hold, and sees those committed as published, so
+        no row is sent twice while nothing fails. Whatever fails, the batches not
+        yet committed roll back and stay pending (a sent one is sent again, under
+        the same ids, as after a crash). An engine whose pool cannot lend a second
+        connection within its timeout is said so once, and relayed one batch at a time.
+        """
+        if not self._postgres or self._serial:
+            return self.relay_once()
+        current = self._begin()
+        handled, until = 0, time.monotonic() + PIPELINE_FOR_S
+        ahead: Future[_Batch | None] | None = None
+        committing: Future[int] | None = None
+        try:
+            while current is not None:
+                if (
+                    len(current.claim.rows) >= self.settings.batch_size
+                    and time.monotonic() < until
+                    and not self._stopping.is_set()
+                ):
+                    ahead = self._stage("claim").submit(self._begin)
+                self._send(current.claim)
+                sent, current, before = current, None, committing
+                committing = self._stage("commit").submit(self._commit, sent)
+                if before is not None:
+                    handled += before.result()
+                if ahead is not None:
+                    try:
+                        current = ahead.result()
+                    except sa.exc.TimeoutError:
+                        self._pool_too_small()
+                    ahead = None
+            if committing is not None:
+                handled, committing = handled + committing.result(), None
+        finally:
+            if current is not None:
+                current.conn.close()  # rolls back: its rows stay pending
+            if ahead is not None:
+                with contextlib.suppress(Exception):
+                    if (claimed := ahead.result()) is not None:
+                        claimed.conn.close()
+            if committing is not None:
+                with contextlib.suppress(Exception):
+                    committing.result()  # a sent batch: let its commit end, or fail
+        return handled
+
+    def _pool_too_small(self) -> None:
+        self._serial = True
+        self.logger.warning(
+            "outbox relay: the engine's pool lends it no second connection within its timeout; relaying one batch "
+            "at a time (give the pool three connections to spare, e.g. DB_POOL_SIZE, for the relay's pipeline)"
+        )
+
+    def _stage(self, name: str) -> _Stage:
+        """The relay's thread for one stage of :meth:`relay_batches`, started at first use."""
+        stage = self._stages.get(name)
+        if stage is None:
+            stage = self._stages[name] = _Stage(f"gp-outbox-{name}")
+        return stage
+
+    def _begin(self) -> _Batch | None:
+        """A claimed batch in a transaction left open on a connection of its own; ``None`` when none is due."""
+        conn = self.engine.connect()
+        try:
+            conn.begin()
+            claim = self._claim(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if claim is None:
+            conn.close()
+            return None
+        return _Batch(conn, claim)
+
+    def _commit(self, sent: _Batch) -> int:
+        """Mark a sent batch published and commit it; how many rows it handled."""
+        try:
+            self._finish(sent.conn, sent.claim)
+            sent.conn.commit()
+        finally:
+            sent.conn.close()
+        return self._count(sent.claim)
+
+    def _claim(self, conn: sa.Connection) -> _Claim | None:
+        """Lock up to a batch of due rows in ``conn``'s transaction, and build their messages; ``None``: none due."""
+        # The JSON is read here, row by row: decoded by the driver, one row nested too deep failed the batch.
+        rows = conn.execute(
+            sa.select(
+                T.id,
+                T.event,
+                sa.cast(T.payload, sa.Text).label("payload"),
+                sa.cast(T.trace_context, sa.Text).label("trace_context"),
+                T.attempts,
+                T.created_at,
+                T.not_before,
+            )
+            .where(T.published_at.is_(None), T.failed_at.is_(None), T.available_at <= self._now())
+            .order_by(T.available_at)
+            .limit(self.settings.batch_size)
+            .with_for_update(skip_locked=True)
+        ).all()
+        if not rows:
+            self._next_due = self._seconds_to_next_due(conn)
+            return None
+        claim = _Claim(rows)
+        encode, timestamp = _encoder(), int(time.time() * 1000)
+        for row in rows:
+            try:
+                message, body = self._message(row, encode, timestamp)
+            except PoisonEvent as exc:
+                claim.poisoned.append((row, exc))
+                continue
+            claim.messages.append(message)
+            claim.bodies.append(body)
+            claim.published.append(row.id)
+        return claim
+
+    def _send(self, claim: _Claim) -> None:
+        if claim.messages:
+            self.broker.enqueue_many(claim.messages, encoded=claim.bodies)
+
+    def _finish(self, conn: sa.Connection, claim: _Claim) -> None:
+        """Mark the sent rows published (delete them when ``OUTBOX_RETENTION=0``) and set back the poisoned ones."""
+        now = self._now()
+        if claim.published:
+            done = self._among(claim.published)
+            if self.settings.retention:
+                conn.execute(sa.update(OUTBOX_EVENTS).where(done).values(published_at=now))
+            else:
+                conn.execute(sa.delete(OUTBOX_EVENTS).where(done))
+        for row, error in claim.poisoned:
+            self._set_back(conn, row, str(error), now, at_once=isinstance(error, UnreadableRow))
+
+    def _count(self, claim: _Claim | None) -> int:
+        """Count a committed batch's published rows; how many rows it handled."""
+        if claim is None:
+            return 0
+        if claim.published:
+            self._published.add(len(claim.published))
+        return len(claim.rows)
+
+    def _now(self) -> Any:
+        return sa.func.statement_timestamp() if self._postgres else _utcnow()
 
     def _seconds_to_next_due(self, conn: sa.Connection) -> float | None:
         """Seconds until the earliest pending row's ``available_at``, on the database's clock; ``None`` without one.
@@ -387,7 +575,7 @@ class Relay:
                     self._stopping.wait(MAX_OUTAGE_BACKOFF_S)
                     continue
                 self._ensure_listening()
-                handled = self.relay_once()
+                handled = self.relay_batches()
                 if time.monotonic() - self._last_purge > PURGE_INTERVAL_S and self.settings.retention:
                     self._last_purge = time.monotonic()
                     self.purge()

@@ -38,7 +38,7 @@ def main(mode: str) -> None:
     if mode == "drain":
         idle = 0
         while idle < 3:
-            if kit.relay.relay_once():
+            if kit.relay.relay_batches():
                 idle = 0
             else:
                 idle += 1
