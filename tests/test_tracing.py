@@ -20,8 +20,8 @@ import pytest
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.sampling import (
 from opentelemetry.trace import SpanKind, StatusCode
 
 import dramatiq_gp as gp
-from dramatiq_gp.middleware.tracing import MAX_SHAPES, attribute_blind, messaging_system
+from dramatiq_gp.middleware.tracing import MAX_SHAPES, attribute_blind, blind_on_start, messaging_system
 from helpers import wait_for
 
 
@@ -330,7 +330,7 @@ def test_a_span_s_attributes_are_what_start_span_would_have_set_whatever_the_lim
         proxy = MessageProxy(message)
         tracing.before_process_message(broker, proxy)
         tracing.after_process_message(broker, proxy, result=None)
-    assert tracing._resolved[1] is (sampler == "default")  # the path without validation was taken, or not
+    assert tracing._resolved[2] is (sampler == "default")  # the path without validation was taken, or not
     processed = exporter.get_finished_spans()
     expected = {
         "messaging.system": "stub",
@@ -368,3 +368,39 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+class _ReadsAtStart(SpanProcessor):
+    """Copies what a span starts with: the kind of processor that must see its attributes then."""
+
+    def __init__(self) -> None:
+        self.started: list[dict[str, Any]] = []
+
+    def on_start(self, span, parent_context=None):  # type: ignore[no-untyped-def]
+        self.started.append(dict(span.attributes))
+
+
+def test_a_processor_that_reads_a_span_as_it_starts_sees_its_attributes_even_when_added_later():
+    """Pins the SDK internals: the provider's processors in ``Tracer.span_processor._span_processors``."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert blind_on_start(provider.get_tracer("x").span_processor)  # type: ignore[attr-defined]
+    tracing = gp.Tracing(provider)
+    broker = StubBroker(middleware=[tracing])
+
+    def process() -> None:
+        proxy = MessageProxy(Message(queue_name="q", actor_name="work", args=(), kwargs={}, options={}))
+        tracing.before_process_message(broker, proxy)
+        tracing.after_process_message(broker, proxy, result=None)
+
+    process()
+    assert tracing._resolved[2] is True
+    reads = _ReadsAtStart()
+    provider.add_span_processor(reads)
+    assert not blind_on_start(provider.get_tracer("x").span_processor)  # type: ignore[attr-defined]
+    process()
+    assert tracing._resolved[2] is False
+    assert reads.started[0]["dramatiq_gp.task_type"] == "work"
+    assert reads.started[0]["dramatiq_gp.attempt"] == 1

@@ -29,8 +29,10 @@ validates each one again (``BoundedAttributes``), a third of a span's CPU. When 
 sampler is one of the SDK's own that decide without reading attributes
 (``ALWAYS_ON``/``ALWAYS_OFF``, ``TraceIdRatioBased``, ``ParentBased`` over those, read
 through its ``_root``, ``_remote_parent_sampled``, ``_remote_parent_not_sampled``,
-``_local_parent_sampled`` and ``_local_parent_not_sampled``), the span is started
-without them and they are written
+``_local_parent_sampled`` and ``_local_parent_not_sampled``), and when the span
+processors are the SDK's own, whose ``on_start`` reads nothing (``BatchSpanProcessor``,
+``SimpleSpanProcessor``, as the SDK ``Tracer``'s ``span_processor`` holds them in
+its ``_span_processors``), the span is started without them and they are written
 into the SDK span's ``_attributes._dict`` when they are all strings and ints
 (a message's id and attempt come from its JSON) and its limits (``maxlen``,
 ``max_value_len``) would keep them all unchanged; otherwise through
@@ -49,8 +51,10 @@ from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 from opentelemetry import context, propagate, trace
 from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import ConcurrentMultiSpanProcessor, SpanProcessor, SynchronousMultiSpanProcessor
 from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.sampling import (
     ParentBased,
     ParentBasedTraceIdRatio,
@@ -91,6 +95,18 @@ def attribute_blind(sampler: Sampler) -> bool:
     return type(sampler) in _BLIND_SAMPLERS
 
 
+#: ``on_start`` of the SDK's own processors: none reads the span it is given.
+_BLIND_ON_START = (SpanProcessor.on_start, BatchSpanProcessor.on_start, SimpleSpanProcessor.on_start)
+_MULTI_PROCESSORS = (SynchronousMultiSpanProcessor, ConcurrentMultiSpanProcessor)
+
+
+def blind_on_start(processor: SpanProcessor) -> bool:
+    """Whether ``processor`` (the provider's, which holds the others in ``_span_processors``) reads no starting span."""
+    if type(processor) in _MULTI_PROCESSORS:
+        return all(blind_on_start(one) for one in processor._span_processors)  # type: ignore[attr-defined]
+    return type(processor).on_start in _BLIND_ON_START
+
+
 def error_type(exc: BaseException) -> str:
     """The fully qualified exception class, as ``error.type`` wants it."""
     cls = type(exc)
@@ -111,8 +127,9 @@ class Tracing(Middleware):
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
         self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
-        # The tracer spans come from (the global provider's, once there is one), and whether its sampler is blind.
-        self._resolved: tuple[trace.Tracer | None, bool] = (None, False)
+        # The tracer spans come from (the global provider's, once there is one), its span processors,
+        # and whether neither its sampler nor they read a span's attributes when it starts.
+        self._resolved: tuple[trace.Tracer | None, object, bool] = (None, None, False)
         # Open send spans by message id. A send may end on another thread than the one
         # that began it (the broker writes a retry copy with a batch of acks), and one
         # id may be in flight more than once (its spans then end in either order).
@@ -146,10 +163,16 @@ class Tracing(Middleware):
         tracer = self.tracer
         if isinstance(tracer, trace.ProxyTracer):
             tracer = tracer._tracer
-        resolved, blind = self._resolved
-        if tracer is not resolved:
-            blind = isinstance(tracer, SdkTracer) and attribute_blind(tracer.sampler)
-            self._resolved = (tracer, blind)
+        # A processor added to the provider later replaces the tuple: then it is looked at again.
+        processors = getattr(getattr(tracer, "span_processor", None), "_span_processors", None)
+        resolved, seen, blind = self._resolved
+        if tracer is not resolved or processors is not seen:
+            blind = (
+                isinstance(tracer, SdkTracer)
+                and attribute_blind(tracer.sampler)
+                and blind_on_start(tracer.span_processor)
+            )
+            self._resolved = (tracer, processors, blind)
         if not blind or not _PLAIN_TYPES.issuperset(map(type, attributes.values())):
             return tracer.start_span(name, context=parent, kind=kind, links=links, attributes=attributes)
         span = tracer.start_span(name, context=parent, kind=kind, links=links)
