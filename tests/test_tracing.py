@@ -7,6 +7,8 @@ fork, flushed at shutdown) is in test_telemetry_cli.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -16,14 +18,25 @@ from typing import Any
 import dramatiq
 import pytest
 from dramatiq import Message
+from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    Decision,
+    ParentBased,
+    ParentBasedTraceIdRatio,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import SpanKind, StatusCode
 
 import dramatiq_gp as gp
-from dramatiq_gp.middleware.tracing import MAX_SHAPES, messaging_system
+from dramatiq_gp.middleware.tracing import MAX_SHAPES, attribute_blind, blind_on_start, messaging_system
 from helpers import wait_for
 
 
@@ -262,3 +275,132 @@ def test_span_names_and_shared_attributes_are_kept_per_actor_queue_and_operation
             **({"dramatiq_gp.delay_ms": 250} if message is delayed else {}),
         }
     assert "dramatiq_gp.delay_ms" not in _finished(exporter, "send task_0")[0].attributes  # the cached shape kept none
+
+
+class _ReadsAttributes(Sampler):
+    """Samples what a rule on the starting attributes says: the kind of sampler that must see them."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None):  # type: ignore[no-untyped-def]
+        self.seen.append(dict(attributes or {}))
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+
+    def get_description(self) -> str:
+        return "reads attributes"
+
+
+def test_only_the_sdk_s_own_samplers_that_ignore_attributes_count_as_blind():
+    """Pins the SDK internals the unvalidated attributes rely on: ``ParentBased``'s five delegates."""
+    assert attribute_blind(TracerProvider().sampler)  # ParentBased(ALWAYS_ON), the default
+    blind = (ALWAYS_ON, ALWAYS_OFF, TraceIdRatioBased(0.5), ParentBasedTraceIdRatio(0.5), ParentBased(ALWAYS_OFF))
+    for sampler in blind:
+        assert attribute_blind(sampler), sampler
+    reads = _ReadsAttributes()
+    assert not attribute_blind(reads)
+    assert not attribute_blind(ParentBased(reads))
+    for delegate in ("remote_parent_sampled", "remote_parent_not_sampled", "local_parent_sampled"):
+        assert not attribute_blind(ParentBased(ALWAYS_ON, **{delegate: reads})), delegate  # type: ignore[arg-type]
+    assert not attribute_blind(ParentBased(ALWAYS_ON, local_parent_not_sampled=reads))
+
+    class Subclass(TraceIdRatioBased):  # may read them in its own should_sample
+        pass
+
+    assert not attribute_blind(Subclass(0.5))
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [None, SpanLimits(max_span_attribute_length=4), SpanLimits(max_span_attributes=3)],
+    ids=["default", "value-length", "attribute-count"],
+)
+@pytest.mark.parametrize("sampler", ["default", "reads-attributes"])
+def test_a_span_s_attributes_are_what_start_span_would_have_set_whatever_the_limits_and_sampler(limits, sampler):
+    """Written into the SDK span's ``_attributes._dict`` or passed to ``start_span``: the same exported span."""
+    reads = _ReadsAttributes()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=limits, **({"sampler": reads} if sampler == "reads-attributes" else {}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = gp.Tracing(provider)
+    broker = StubBroker(middleware=[tracing])
+    ids = ["a-message", 7]  # a message id from JSON may be anything: an int is validated as before
+    for message_id in ids:
+        message = Message(queue_name="q", actor_name="work", args=(), kwargs={}, options={}, message_id=message_id)  # type: ignore[arg-type]
+        proxy = MessageProxy(message)
+        tracing.before_process_message(broker, proxy)
+        tracing.after_process_message(broker, proxy, result=None)
+    assert tracing._resolved[2] is (sampler == "default")  # the path without validation was taken, or not
+    processed = exporter.get_finished_spans()
+    expected = {
+        "messaging.system": "stub",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": "q",
+        "dramatiq_gp.task_type": "work",
+    }
+    reference = provider.get_tracer("reference")
+    for span, message_id in zip(processed, ids, strict=True):
+        attributes = {**expected, "messaging.message.id": message_id, "dramatiq_gp.attempt": 1}
+        same = reference.start_span("process work", attributes=attributes)
+        same.end()
+        assert dict(span.attributes) == dict(exporter.get_finished_spans()[-1].attributes)
+        assert span.dropped_attributes == exporter.get_finished_spans()[-1].dropped_attributes
+    first = {**expected, "messaging.message.id": "a-message", "dramatiq_gp.attempt": 1}
+    if limits is None:
+        assert dict(processed[0].attributes) == first
+    if sampler == "reads-attributes":  # the sampler saw every attribute, as it does without the kit
+        assert reads.seen[0] == first
+
+
+def test_the_global_provider_s_tracer_is_read_through_the_proxy_tracer():
+    """Pins ``ProxyTracer._tracer``: the real SDK tracer once a global provider is set (a process of its own)."""
+    code = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import Tracer, TracerProvider
+import dramatiq_gp as gp
+tracing = gp.Tracing()
+assert isinstance(tracing.tracer, trace.ProxyTracer)
+assert not isinstance(tracing.tracer._tracer, Tracer)
+trace.set_tracer_provider(TracerProvider())
+assert isinstance(tracing.tracer._tracer, Tracer), tracing.tracer._tracer
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr
+
+
+class _ReadsAtStart(SpanProcessor):
+    """Copies what a span starts with: the kind of processor that must see its attributes then."""
+
+    def __init__(self) -> None:
+        self.started: list[dict[str, Any]] = []
+
+    def on_start(self, span, parent_context=None):  # type: ignore[no-untyped-def]
+        self.started.append(dict(span.attributes))
+
+
+def test_a_processor_that_reads_a_span_as_it_starts_sees_its_attributes_even_when_added_later():
+    """Pins the SDK internals: the provider's processors in ``Tracer.span_processor._span_processors``."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert blind_on_start(provider.get_tracer("x").span_processor)  # type: ignore[attr-defined]
+    tracing = gp.Tracing(provider)
+    broker = StubBroker(middleware=[tracing])
+
+    def process() -> None:
+        proxy = MessageProxy(Message(queue_name="q", actor_name="work", args=(), kwargs={}, options={}))
+        tracing.before_process_message(broker, proxy)
+        tracing.after_process_message(broker, proxy, result=None)
+
+    process()
+    assert tracing._resolved[2] is True
+    reads = _ReadsAtStart()
+    provider.add_span_processor(reads)
+    assert not blind_on_start(provider.get_tracer("x").span_processor)  # type: ignore[attr-defined]
+    process()
+    assert tracing._resolved[2] is False
+    assert reads.started[0]["dramatiq_gp.task_type"] == "work"
+    assert reads.started[0]["dramatiq_gp.attempt"] == 1

@@ -23,6 +23,22 @@ Spans follow the messaging semantic conventions, with one deviation: the task
 type names the span (``send <task type>``, ``process <task type>``) rather than
 the queue, because most applications send everything to ``default``; the queue
 is ``messaging.destination.name``.
+
+A span's attributes are the SDK's costliest part of it: ``Tracer.start_span``
+validates each one again (``BoundedAttributes``), a third of a span's CPU. When the
+sampler is one of the SDK's own that decide without reading attributes
+(``ALWAYS_ON``/``ALWAYS_OFF``, ``TraceIdRatioBased``, ``ParentBased`` over those, read
+through its ``_root``, ``_remote_parent_sampled``, ``_remote_parent_not_sampled``,
+``_local_parent_sampled`` and ``_local_parent_not_sampled``), and when the span
+processors are the SDK's own, whose ``on_start`` reads nothing (``BatchSpanProcessor``,
+``SimpleSpanProcessor``, as the SDK ``Tracer``'s ``span_processor`` holds them in
+its ``_span_processors``), the span is started without them and they are written
+into the SDK span's ``_attributes._dict`` when they are all strings and ints
+(a message's id and attempt come from its JSON) and its limits (``maxlen``,
+``max_value_len``) would keep them all unchanged; otherwise through
+``set_attributes``. Any other sampler, or tracer, gets them at ``start_span`` as
+usual. The real tracer behind the global provider's ``ProxyTracer`` is read through
+its ``_tracer``. docs/internals.md lists these; tests/test_tracing.py pins them.
 """
 
 from __future__ import annotations
@@ -34,6 +50,18 @@ from dramatiq import Broker, Message, Middleware, Retry
 from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 from opentelemetry import context, propagate, trace
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import ConcurrentMultiSpanProcessor, SpanProcessor, SynchronousMultiSpanProcessor
+from opentelemetry.sdk.trace import Span as SdkSpan
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.sampling import (
+    ParentBased,
+    ParentBasedTraceIdRatio,
+    Sampler,
+    StaticSampler,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from ..tracecontext import DELIVERY, ORIGIN
@@ -44,6 +72,39 @@ _NEW_TRACE = context.Context()
 _CREATED = {"messaging.operation.type": "create"}
 #: The most (broker, actor, queue, operation) shapes kept; more are rebuilt for each span.
 MAX_SHAPES = 1_024
+
+
+#: The SDK's samplers whose decision never reads a span's attributes (subclasses may: not these).
+_BLIND_SAMPLERS = (StaticSampler, TraceIdRatioBased)
+_PARENT_BASED = (ParentBased, ParentBasedTraceIdRatio)
+#: The values written without validation: those the SDK would keep as they are, whatever its limits but length.
+_PLAIN_TYPES = frozenset({str, int})
+
+
+def attribute_blind(sampler: Sampler) -> bool:
+    """Whether ``sampler`` decides without reading the attributes a span starts with (see the module docstring)."""
+    if type(sampler) in _PARENT_BASED:
+        delegates = (
+            sampler._root,  # type: ignore[attr-defined]
+            sampler._remote_parent_sampled,  # type: ignore[attr-defined]
+            sampler._remote_parent_not_sampled,  # type: ignore[attr-defined]
+            sampler._local_parent_sampled,  # type: ignore[attr-defined]
+            sampler._local_parent_not_sampled,  # type: ignore[attr-defined]
+        )
+        return all(attribute_blind(delegate) for delegate in delegates)
+    return type(sampler) in _BLIND_SAMPLERS
+
+
+#: ``on_start`` of the SDK's own processors: none reads the span it is given.
+_BLIND_ON_START = (SpanProcessor.on_start, BatchSpanProcessor.on_start, SimpleSpanProcessor.on_start)
+_MULTI_PROCESSORS = (SynchronousMultiSpanProcessor, ConcurrentMultiSpanProcessor)
+
+
+def blind_on_start(processor: SpanProcessor) -> bool:
+    """Whether ``processor`` (the provider's, which holds the others in ``_span_processors``) reads no starting span."""
+    if type(processor) in _MULTI_PROCESSORS:
+        return all(blind_on_start(one) for one in processor._span_processors)  # type: ignore[attr-defined]
+    return type(processor).on_start in _BLIND_ON_START
 
 
 def error_type(exc: BaseException) -> str:
@@ -66,6 +127,9 @@ class Tracing(Middleware):
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
         self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
+        # The tracer spans come from (the global provider's, once there is one), its span processors,
+        # and whether neither its sampler nor they read a span's attributes when it starts.
+        self._resolved: tuple[trace.Tracer | None, object, bool] = (None, None, False)
         # Open send spans by message id. A send may end on another thread than the one
         # that began it (the broker writes a retry copy with a batch of acks), and one
         # id may be in flight more than once (its spans then end in either order).
@@ -87,6 +151,43 @@ class Tracing(Middleware):
                 self._shapes[key] = shape
         return shape
 
+    def _start_span(
+        self,
+        name: str,
+        parent: context.Context | None,
+        kind: SpanKind,
+        attributes: dict[str, Any],
+        links: tuple[Link, ...] = (),
+    ) -> trace.Span:
+        """``Tracer.start_span``, with the attributes written without their validation when that changes nothing."""
+        tracer = self.tracer
+        if isinstance(tracer, trace.ProxyTracer):
+            tracer = tracer._tracer
+        # A processor added to the provider later replaces the tuple: then it is looked at again.
+        processors = getattr(getattr(tracer, "span_processor", None), "_span_processors", None)
+        resolved, seen, blind = self._resolved
+        if tracer is not resolved or processors is not seen:
+            blind = (
+                isinstance(tracer, SdkTracer)
+                and attribute_blind(tracer.sampler)
+                and blind_on_start(tracer.span_processor)
+            )
+            self._resolved = (tracer, processors, blind)
+        if not blind or not _PLAIN_TYPES.issuperset(map(type, attributes.values())):
+            return tracer.start_span(name, context=parent, kind=kind, links=links, attributes=attributes)
+        span = tracer.start_span(name, context=parent, kind=kind, links=links)
+        bounded = span._attributes if isinstance(span, SdkSpan) else None
+        if (
+            isinstance(bounded, BoundedAttributes)
+            and bounded.max_value_len is None
+            and (bounded.maxlen is None or len(bounded._dict) + len(attributes) <= bounded.maxlen)
+        ):
+            bounded._dict.update(attributes)
+            return span
+        if span.is_recording():
+            span.set_attributes(attributes)
+        return span
+
     # -- producer ----------------------------------------------------------------------
 
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
@@ -102,7 +203,7 @@ class Tracing(Middleware):
         attributes = {**shared, "messaging.message.id": message.message_id}
         if delay:
             attributes["dramatiq_gp.delay_ms"] = delay
-        span = self.tracer.start_span(name, context=parent, kind=SpanKind.PRODUCER, attributes=attributes)
+        span = self._start_span(name, parent, SpanKind.PRODUCER, attributes)
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span, parent))
         if carrier:
@@ -146,18 +247,18 @@ class Tracing(Middleware):
         delivery, origin = options.get(DELIVERY), options.get(ORIGIN)
         # A message without a context starts a trace of its own, whatever the thread ran before.
         parent = propagate.extract(delivery or origin) if (delivery or origin) else _NEW_TRACE
-        links = []
+        links: tuple[Link, ...] = ()
         if origin and delivery and origin != delivery:
             created = trace.get_current_span(propagate.extract(origin)).get_span_context()
             if created.is_valid:
-                links.append(Link(created, _CREATED))
+                links = (Link(created, _CREATED),)
         name, shared = self._shape(broker, message, "process")
         attributes = {
             **shared,
             "messaging.message.id": message.message_id,
             "dramatiq_gp.attempt": options.get("retries", 0) + 1,
         }
-        span = self.tracer.start_span(name, context=parent, kind=SpanKind.CONSUMER, links=links, attributes=attributes)
+        span = self._start_span(name, parent, SpanKind.CONSUMER, attributes, links)
         token = context.attach(trace.set_span_in_context(span, parent))
         setattr(message, _STATE, (span, token))
 
