@@ -109,12 +109,16 @@ class IdempotentExecution(Middleware):
         """Claim the ids of the idempotent ones among ``messages`` in one round trip."""
         if is_delay_queue(queue_name):
             return  # delayed messages are only parked in the consumer; they are claimed when due
-        # The script reads a batch's keys joined by line breaks: an id holding one is claimed on its own.
-        wanted = [m for m in messages if self._applies(broker, m) and "\n" not in m.message_id]
+        wanted, keys, marks = [], [], []
+        for message in messages:
+            message_id = message.message_id  # once: each read goes through the proxy's __getattr__
+            # The script reads a batch's keys joined by line breaks: an id holding one is claimed on its own.
+            if "\n" not in message_id and self._applies(broker, message):
+                wanted.append(message)
+                keys.append(self.key_prefix + message_id)
+                marks.append(done_marks.digest(message_id))
         if not wanted:
             return
-        keys = [self.key_prefix + m.message_id for m in wanted]
-        marks = [done_marks.digest(m.message_id) for m in wanted]
         # One random prefix per batch, numbered here and in the script: as unique as a uuid4 each, at far less cost.
         batch = uuid4().hex
         try:
@@ -130,10 +134,11 @@ class IdempotentExecution(Middleware):
             self._record(message, keys[i], f"{batch}{i:x}", marks[i], state, next(ttls) if state == _RUNNING else 0)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        if not self._applies(broker, message):
-            return
-        state = getattr(message, _STATE_ATTR, None)
+        # Claimed with its batch (most are): its actor was found idempotent then.
+        state: tuple[int, int] | None = message.__dict__.get(_STATE_ATTR)
         if state is None:
+            if not self._applies(broker, message):
+                return
             key, batch, mark = self.key_prefix + message.message_id, uuid4().hex, done_marks.digest(message.message_id)
             try:
                 result = self._claim(args=[self.lease_ms, self.marks_prefix, key, batch, mark])
