@@ -134,7 +134,8 @@ class IdempotentExecution(Middleware):
             self._record(message, keys[i], f"{batch}{i:x}", marks[i], state, next(ttls) if state == _RUNNING else 0)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        # Claimed with its batch (most are): its actor was found idempotent then.
+        # Claimed with its batch (most are), its actor found idempotent then; read from the proxy's own
+        # attributes, as plan_of reads: a miss through its __getattr__ raises twice.
         state: tuple[int, int] | None = message.__dict__.get(_STATE_ATTR)
         if state is None:
             if not self._applies(broker, message):
