@@ -215,6 +215,46 @@ def test_a_failed_idempotent_attempt_is_retried_through_the_delay_queue_and_a_co
     assert broker.client.get(keys.claim_prefix(namespace) + message.message_id) is None
 
 
+def test_an_id_holding_a_line_break_is_claimed_and_recorded_on_its_own_beside_a_batch(
+    make_broker, queue_name, redis_url, namespace, caplog
+):
+    # The claim and record scripts read a batch's keys joined by line breaks: an id holding
+    # one goes in a call of its own, and every message still runs once and is marked done.
+    broker = make_broker(
+        client=redis.Redis.from_url(redis_url),
+        namespace=namespace,
+        middleware=[gp.IdempotentExecution()],
+        settle_window_ms=200,
+    )
+    runs: list[int] = []
+    ids = [f"line\nbreak-{uuid.uuid4().hex}", *(str(uuid.uuid4()) for _ in range(5)), f"two\nlines\n{uuid.uuid4()}"]
+    together = threading.Barrier(len(ids))  # all end in one settle window: one record call holds them all
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"{queue_name}.once", idempotent=True)
+    def once(n: int) -> None:
+        runs.append(n)
+        if len(runs) <= len(ids):
+            together.wait(5)
+
+    messages = [once.message(n).copy(message_id=message_id) for n, message_id in enumerate(ids)]
+    for message in messages:
+        broker.enqueue(message)
+    worker = dramatiq.Worker(broker, worker_threads=len(ids), worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: sorted(runs) == list(range(len(ids))), timeout=15)
+        wait_for(lambda: all(done_marks.are_done(broker.client, namespace, ids)))
+        wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 0))
+        for message in messages:  # copies: skipped, every one
+            broker.enqueue(message)
+        wait_for(lambda: caplog.text.count("already completed") == len(ids), timeout=10)
+        wait_for(lambda: broker.get_queue_message_counts(queue_name) == (0, 0, 0))
+    finally:
+        worker.stop()
+    assert sorted(runs) == list(range(len(ids)))
+    assert [broker.client.get(keys.claim_prefix(namespace) + message_id) for message_id in ids] == [None] * len(ids)
+
+
 @gp.event("test.rabbitmq.paid")
 @dataclass(frozen=True)
 class Paid:

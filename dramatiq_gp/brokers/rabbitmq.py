@@ -464,19 +464,30 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
     def _record_plans(self, messages: Iterable[MessageProxy]) -> None:
         """Write the idempotency outcomes of ``messages`` to Redis in one call (``record.lua``).
 
+        The script reads the claim keys joined by line breaks: one holding a line break
+        (a message id can) is written in a call of its own.
+
         Raises:
             ConnectionClosed: Redis did not take it (written twice, an outcome is the same).
         """
-        record_keys: list[str] = []
-        record_args: list[Any] = [keys.done_marks(self.namespace)]
-        for message in messages:
-            plan = plan_of(message)
-            if plan is not None and plan.key:
-                record_keys.append(plan.key)
-                record_args += [plan.outcome, plan.token, plan.mark, plan.retention_ms]
-        if record_keys:
+        plans = [plan for plan in map(plan_of, messages) if plan is not None and plan.key]
+        batches = [[plan for plan in plans if "\n" not in plan.key]]
+        batches += [[plan] for plan in plans if "\n" in plan.key]
+        prefix = keys.done_marks(self.namespace)
+        for batch in batches:
+            if not batch:
+                continue
             try:
-                self._record(keys=record_keys, args=record_args)
+                self._record(
+                    args=[
+                        prefix,
+                        "".join(plan.outcome[0] for plan in batch),  # "d"one or "r"elease
+                        "\n".join(plan.key for plan in batch),
+                        "\n".join(plan.token for plan in batch),
+                        "\n".join(str(plan.retention_ms) for plan in batch),
+                        b"".join(plan.mark for plan in batch),
+                    ]
+                )
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 

@@ -109,35 +109,44 @@ class IdempotentExecution(Middleware):
         """Claim the ids of the idempotent ones among ``messages`` in one round trip."""
         if is_delay_queue(queue_name):
             return  # delayed messages are only parked in the consumer; they are claimed when due
-        wanted = [m for m in messages if self._applies(broker, m)]
+        wanted, keys, marks = [], [], []
+        for message in messages:
+            message_id = message.message_id  # once: each read goes through the proxy's __getattr__
+            # The script reads a batch's keys joined by line breaks: an id holding one is claimed on its own.
+            if "\n" not in message_id and self._applies(broker, message):
+                wanted.append(message)
+                keys.append(self.key_prefix + message_id)
+                marks.append(done_marks.digest(message_id))
         if not wanted:
             return
-        keys = [self.key_prefix + m.message_id for m in wanted]
-        # One random prefix per batch, numbered: as unique as a uuid4 each, at a fraction of its cost.
+        # One random prefix per batch, numbered here and in the script: as unique as a uuid4 each, at far less cost.
         batch = uuid4().hex
-        tokens = [f"{batch}{i:x}" for i in range(len(wanted))]
-        marks = [done_marks.digest(m.message_id) for m in wanted]
         try:
-            states = self._claim(keys=keys, args=self._claim_args(tokens, marks))
+            result = self._claim(args=[self.lease_ms, self.marks_prefix, "\n".join(keys), batch, b"".join(marks)])
         except redis.RedisError as exc:
             self.logger.warning(
                 "could not claim a batch of %d message(s), claiming them one by one: %s", len(keys), exc
             )
             return
+        states, ttls = result[0], iter(result[1:])
         for i, message in enumerate(wanted):
-            self._record(message, keys[i], tokens[i], marks[i], states[2 * i], states[2 * i + 1])
+            state = int(states[i : i + 1])  # bytes, or str from a client that decodes responses
+            self._record(message, keys[i], f"{batch}{i:x}", marks[i], state, next(ttls) if state == _RUNNING else 0)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        if not self._applies(broker, message):
-            return
-        state = getattr(message, _STATE_ATTR, None)
+        # Claimed with its batch (most are), its actor found idempotent then; read from the proxy's own
+        # attributes, as plan_of reads: a miss through its __getattr__ raises twice.
+        state: tuple[int, int] | None = message.__dict__.get(_STATE_ATTR)
         if state is None:
-            key, token, mark = self.key_prefix + message.message_id, uuid4().hex, done_marks.digest(message.message_id)
+            if not self._applies(broker, message):
+                return
+            key, batch, mark = self.key_prefix + message.message_id, uuid4().hex, done_marks.digest(message.message_id)
             try:
-                result = self._claim(keys=[key], args=self._claim_args([token], [mark]))
+                result = self._claim(args=[self.lease_ms, self.marks_prefix, key, batch, mark])
             except redis.RedisError as exc:
                 raise ClaimUnavailable(f"cannot check whether message {message.message_id} ran: {exc}") from exc
-            state = self._record(message, key, token, mark, *result)
+            found = int(result[0])
+            state = self._record(message, key, f"{batch}0", mark, found, result[1] if found == _RUNNING else 0)
         if state[0] == _CLAIMED:
             return
         if state[0] == _DONE:
@@ -181,9 +190,6 @@ class IdempotentExecution(Middleware):
     def _applies(self, broker: Broker, message: MessageProxy) -> bool:
         actor = broker.actors.get(message.actor_name)
         return actor is not None and bool(actor.options.get("idempotent"))
-
-    def _claim_args(self, tokens: list[str], marks: list[bytes]) -> list[Any]:
-        return [self.lease_ms, self.marks_prefix, *(x for pair in zip(tokens, marks, strict=True) for x in pair)]
 
     def _record(
         self, message: MessageProxy, key: str, token: str, mark: bytes, state: int, pttl: int

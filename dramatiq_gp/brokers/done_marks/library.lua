@@ -9,6 +9,27 @@
 -- its clock; a look-up needs none.
 local marks_counted = {}
 
+-- The n strings joined by "\n" in s (the batches' packing, see the scripts); a single one is s
+-- itself, whatever bytes it holds.
+local function marks_split(s, n)
+    if n == 1 then
+        return { s }
+    end
+    local parts, from = {}, 1
+    for i = 1, n - 1 do
+        local at = string.find(s, "\n", from, true)
+        parts[i] = string.sub(s, from, at - 1)
+        from = at + 1
+    end
+    parts[n] = string.sub(s, from)
+    return parts
+end
+
+-- The i-th of the digests concatenated in s.
+local function marks_digest(s, i)
+    return string.sub(s, (i - 1) * MARKS_DIGEST_BYTES + 1, i * MARKS_DIGEST_BYTES)
+end
+
 local function marks_time()
     local t = redis.call("time")
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
