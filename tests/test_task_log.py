@@ -57,6 +57,53 @@ def test_a_task_logs_started_and_done_with_its_fields(make_kit, start_worker, ca
     assert done.duration_ms >= 0
 
 
+def test_the_started_and_done_records_are_those_logger_info_would_make(make_kit, start_worker, caplog):
+    # The two lines are copied from a template record (cheaper than Logger.info): field for field
+    # the same, but for the time and the thread, which are the worker thread's own.
+    caplog.set_level(logging.INFO)
+    kit = make_kit(lambda registry, schedule: registry.listen(Job, lambda e: None, name="ok"))
+    start_worker(kit)
+    kit.dispatch(Job(fail=False))
+    wait_for(lambda: len(_records(caplog)) == 2)
+    logger = logging.getLogger("dramatiq_gp.tasks")
+    # The record's own, and those a formatter added ("message", "asctime") when a handler wrote it.
+    own = {"created", "msecs", "relativeCreated", "thread", "threadName", "message", "asctime"}
+    workers = {t.ident: t.name for t in threading.enumerate()}
+    for record in _records(caplog):
+        fields = {k: v for k, v in vars(record).items() if k in ("task_type", "task_id", "attempt", "duration_ms")}
+        path, line, function, _ = logger.findCaller()
+        made = logger.makeRecord(
+            logger.name, record.levelno, path, line, record.msg, record.args, None, function, fields
+        )
+        assert {k: v for k, v in vars(record).items() if k not in own} == {
+            k: v for k, v in vars(made).items() if k not in own
+        }
+        assert workers[record.thread] == record.threadName != threading.current_thread().name
+        assert abs(record.created - made.created) < 30
+        assert record.msecs == int((record.created - int(record.created)) * 1000)
+        assert abs((record.relativeCreated - made.relativeCreated) - (record.created - made.created) * 1000) < 1
+
+
+def test_a_replaced_record_factory_makes_every_task_line(make_kit, start_worker, caplog):
+    caplog.set_level(logging.INFO)
+    default = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = default(*args, **kwargs)
+        record.made_by = "factory"
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        kit = make_kit(lambda registry, schedule: registry.listen(Job, lambda e: None, name="ok"))
+        start_worker(kit)
+        kit.dispatch(Job(fail=False))
+        wait_for(lambda: len(_records(caplog)) == 2)
+    finally:
+        logging.setLogRecordFactory(default)
+    assert [getattr(r, "made_by", None) for r in _records(caplog)] == ["factory", "factory"]
+
+
 def test_failures_log_an_error_saying_whether_they_will_be_retried(make_kit, start_worker, caplog):
     caplog.set_level(logging.INFO)
     handler, _ = _failing_after(10)

@@ -22,8 +22,10 @@ can use them. ``LOG_LEVEL=WARN`` silences the INFO lines.
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from time import perf_counter
+import threading
+from time import perf_counter, time
 from typing import Any
 
 import redis
@@ -89,6 +91,50 @@ def _this_module(stack_info: bool = False, stacklevel: int = 1) -> tuple[str, in
     return __file__, 0, "TaskLog", None
 
 
+class _Records:
+    """The task log's INFO lines: records copied from a template, not built by ``Logger.info``.
+
+    Every line comes from one place (``_this_module``), so two records of one level
+    in one process differ only in their time, thread, message, arguments and fields.
+    ``LogRecord.__init__`` works the rest out again each time (the file name and
+    module from the path, the process and its name), about a third of a line's CPU
+    at two lines a task: here one record per level and process is made by
+    ``Logger.makeRecord`` and copied, with those fields set, and handed to
+    ``Logger.handle`` (the logger's filters, then its handlers, as ``Logger.info``
+    does). Only while the record factory is logging's own: a replaced one
+    (``logging.setLogRecordFactory``, as OpenTelemetry's logging instrumentation
+    does) gets every line through ``Logger.log``. tests/test_task_log.py pins that
+    both make the same record.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._templates: dict[int, tuple[int, dict[str, Any]]] = {}  # level: (pid, the record's __dict__)
+
+    def log(self, level: int, msg: str, args: tuple[Any, ...], fields: dict[str, Any]) -> None:
+        logger = self.logger
+        if logging.getLogRecordFactory() is not logging.LogRecord:
+            logger.log(level, msg, *args, extra=fields)
+            return
+        pid = os.getpid()
+        template = self._templates.get(level)
+        if template is None or template[0] != pid:  # a forked process: its own pid and process name
+            path, line, function, _ = _this_module()
+            record = logger.makeRecord(logger.name, level, path, line, "", (), None, function)
+            template = self._templates[level] = (pid, record.__dict__)
+        state = template[1].copy()
+        now = time()
+        state["msg"], state["args"] = msg, args
+        state["relativeCreated"] += (now - state["created"]) * 1000
+        state["created"], state["msecs"] = now, int((now - int(now)) * 1000) + 0.0
+        if state["thread"] is not None:  # logging.logThreads
+            state["thread"], state["threadName"] = threading.get_ident(), threading.current_thread().name
+        state.update(fields)
+        record = logging.LogRecord.__new__(logging.LogRecord)
+        record.__dict__ = state
+        logger.handle(record)
+
+
 class TaskLog(Middleware):
     """Logs each task's start and outcome.
 
@@ -110,6 +156,7 @@ class TaskLog(Middleware):
         self._out_of_reach = False
         # Every line comes from this module: skip logging's walk up the stack for it.
         self.logger.findCaller = _this_module  # type: ignore[method-assign]
+        self._records = _Records(self.logger)
         for name in ("dramatiq.worker.WorkerThread", "dramatiq.middleware.retries.Retries"):
             replaced = logging.getLogger(name)
             if not any(isinstance(f, _ReplacedByTaskLog) for f in replaced.filters):
@@ -124,12 +171,12 @@ class TaskLog(Middleware):
         attempt = message.options.get("retries", 0) + 1
         setattr(message, _STARTED_ATTR, (perf_counter(), attempt))
         if self.logger.isEnabledFor(logging.INFO):
-            self.logger.info(
+            actor_name, message_id = message.actor_name, message.message_id
+            self._records.log(
+                logging.INFO,
                 "task started task_type=%s task_id=%s attempt=%d",
-                message.actor_name,
-                message.message_id,
-                attempt,
-                extra={"task_type": message.actor_name, "task_id": message.message_id, "attempt": attempt},
+                (actor_name, message_id, attempt),
+                {"task_type": actor_name, "task_id": message_id, "attempt": attempt},
             )
 
     def after_process_message(
@@ -155,13 +202,11 @@ class TaskLog(Middleware):
             "duration_ms": round(duration_ms, 2),
         }
         if exception is None:
-            self.logger.info(
+            self._records.log(
+                logging.INFO,
                 "task done task_type=%s task_id=%s attempt=%d duration_ms=%.2f",
-                message.actor_name,
-                message.message_id,
-                started[1],
-                duration_ms,
-                extra=fields,
+                (fields["task_type"], fields["task_id"], started[1], duration_ms),
+                fields,
             )
             return
         if getattr(message, PUT_BACK_ATTR, False):
