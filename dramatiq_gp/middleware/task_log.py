@@ -97,7 +97,7 @@ class _Records:
     Every line comes from one place (``_this_module``), so two records of one level
     in one process differ only in their time, thread, message, arguments and fields.
     ``LogRecord.__init__`` works the rest out again each time (the file name and
-    module from the path, the process and its name), about a third of a line's CPU
+    module from the path, the process and its name), about a quarter of a line's CPU
     at two lines a task: here one record per level and process is made by
     ``Logger.makeRecord`` and copied, with those fields set, and handed to
     ``Logger.handle`` (the logger's filters, then its handlers, as ``Logger.info``
