@@ -49,7 +49,7 @@ from .middleware import (
 )
 from .names import fan_out_id
 from .registry import Envelope, Registry, current_envelope, listener
-from .scheduler import CronError, Schedule, ScheduleError, Schedules, StoredEntry, job
+from .scheduler import CronError, Schedule, ScheduleError, Schedules, StoredEntry, job, schedulable
 from .settings import Settings
 from .telemetry import Telemetry
 
@@ -106,6 +106,7 @@ __all__ = [
     "job",
     "listener",
     "outbox",
+    "schedulable",
 ]
 
 

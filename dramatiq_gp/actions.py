@@ -154,7 +154,17 @@ def add_entry(schedules: Schedules, name: str, when: Any, target: Any, *, who: s
     outcome = schedules.add(name, when, target, **options)
     entry = schedules.get(name)
     assert entry is not None
-    _done("schedule add", who, f"entry {name} {outcome}: {entry.trigger} ({entry.zone}), {entry.kind} {entry.target}")
+    # In full, whatever the PII setting: what an entry runs, and with what, is what the audit is for.
+    if entry.kind == "event":
+        call = f"data {json.dumps(entry.data)}"
+    else:
+        call = f"args {json.dumps(entry.data['args'])}, kwargs {json.dumps(entry.data['kwargs'])}"
+    _done(
+        "schedule add",
+        who,
+        f"entry {name} {outcome}: {entry.trigger} ({entry.zone}), {entry.kind} {entry.target} on queue {entry.queue}, "
+        f"{call}, options {json.dumps(dict(entry.options))}",
+    )
     return entry
 
 

@@ -622,9 +622,9 @@ def schedule_add(
     """Store a schedule entry the leader fires from its next tick (no code change, no restart).
 
     SPEC is a cron spec, a descriptor or @every. Give --event (an event's wire name,
-    with --data) or --actor (with --args, --kwargs). The names of events and actors
-    are not checked here, where the application's code is not loaded: a worker
-    refuses what it does not know, as for any message.
+    with --data) or --actor (with --args, --kwargs). Either must be marked
+    schedulable in the application's code: it is checked, with its arguments or data,
+    against what the workers publish (the code is not loaded here).
 
     \b
     Examples:
@@ -1047,7 +1047,13 @@ def add_job(module: str, name: str, cron: str, queue: str, is_async: bool, root:
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", default=8642, show_default=True, type=click.IntRange(0, 65535), help="port to listen on")
 @click.option("--read-only", is_flag=True, help="show everything, do nothing: every action is hidden and refused")
-def dashboard(host: str, port: int, read_only: bool) -> None:
+@click.option(
+    "--store-entries",
+    is_flag=True,
+    help="also let it store and remove schedule entries (a privilege: an entry makes the workers run a "
+    "schedulable actor or event, with the arguments given, at every tick)",
+)
+def dashboard(host: str, port: int, read_only: bool, store_entries: bool) -> None:
     """Serve the web dashboard: queues, workers, the scheduler, the outbox, dead letters, recent failures.
 
     Off loopback it refuses to start without DASHBOARD_USER and DASHBOARD_PASSWORD,
@@ -1065,6 +1071,8 @@ def dashboard(host: str, port: int, read_only: bool) -> None:
         raise click.ClickException(
             f"the dashboard needs the dashboard extra: pip install 'dramatiq-gp[dashboard]' ({exc})"
         ) from None
+    if read_only and store_entries:
+        _fail("give --read-only or --store-entries, not both")
     settings = _settings()
     if not loopback(host) and not settings.dashboard.credentials:
         _fail(
@@ -1076,8 +1084,8 @@ def dashboard(host: str, port: int, read_only: bool) -> None:
     if hosts is None and loopback(host):
         # Without credentials by default: a page rebinding its own name to this address must not get in.
         hosts = [host, "localhost", "127.0.0.1", "::1"]
-    app = create_app(settings, read_only=read_only, client=client, allowed_hosts=hosts)
-    mode = " (read-only)" if read_only else ""
+    app = create_app(settings, read_only=read_only, store_entries=store_entries, client=client, allowed_hosts=hosts)
+    mode = " (read-only)" if read_only else " (storing schedule entries allowed)" if store_entries else ""
     click.echo(f"dashboard{mode} on http://{host}:{port}/ reading {settings.redis.display()}")
     proxies = settings.dashboard.trusted_proxies
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: anyone on the machine could forge the audit lines.

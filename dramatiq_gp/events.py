@@ -132,5 +132,10 @@ def event_type_named(name: str) -> EventType | None:
     return _by_name.get(name)
 
 
+def declared_events() -> tuple[EventType, ...]:
+    """Every event type declared in this process."""
+    return tuple(_by_name.values())
+
+
 def _path(cls: type[Any]) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"

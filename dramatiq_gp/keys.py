@@ -219,6 +219,12 @@ class SchedulerKeys:
         return f"{self.prefix}:templates"
 
     @property
+    def schedulable(self) -> str:
+        """``actor:<name>``/``event:<name>`` → a target stored entries may have, as JSON: its queue and parameters,
+        published by the workers whose code marks it (a hash; :mod:`.scheduler.targets`)."""
+        return f"{self.prefix}:schedulable"
+
+    @property
     def catchup(self) -> str:
         """The catch-up policy the workers run with (``SCHEDULER_CATCHUP*``), as JSON, for the dashboard."""
         return f"{self.prefix}:catchup"

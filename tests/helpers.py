@@ -210,6 +210,19 @@ BAD_SCHEDULER = {
 }
 
 
+def publish_schedulable(
+    client: Any, namespace: str, *, actors: dict[str, str] | None = None, events: tuple[str, ...] = ()
+) -> None:
+    """Publish ``actors`` (name → queue, taking any arguments) and ``events`` (taking any data) as schedulable,
+    as a worker whose code marks them does: what a ``Schedules`` built without the code checks against."""
+    from dramatiq_gp.scheduler.targets import Target
+
+    anything = (("args", "VAR_POSITIONAL", False), ("kwargs", "VAR_KEYWORD", False))
+    targets = [Target("actor", name, queue, anything) for name, queue in (actors or {}).items()]
+    targets += [Target("event", name, "default") for name in events]
+    client.hset(keys.SchedulerKeys(namespace).schedulable, mapping={t.field: t.encode() for t in targets})
+
+
 def spoil_schedule(client: Any, scheduler: keys.SchedulerKeys, case: str) -> str:
     """Write the bad record of ``BAD_SCHEDULER[case]``; what shows for it."""
     key, field, value, shown = BAD_SCHEDULER[case]

@@ -47,6 +47,7 @@ from helpers import (
     BAD_DEAD_LETTERS,
     BAD_SCHEDULER,
     bury,
+    publish_schedulable,
     publish_schedule,
     spoil_schedule,
     stored_dead_letter,
@@ -888,11 +889,21 @@ def test_the_outbox_page_shows_delayed_events_not_yet_due_apart_from_the_backlog
 # -- stored schedule entries ------------------------------------------------------------------
 
 
+@pytest.fixture
+def targets(rdb, namespace) -> None:
+    """The targets the stored-entry tests use, published as schedulable (as a worker whose code marks them)."""
+    # A kit task type published all the same (by hand, into Redis) is still never a target.
+    actors = {"cleanup": "maintenance", "report": "default", "listener:digest.due:send": "default"}
+    publish_schedulable(rdb, namespace, actors=actors, events=("digest.due",))
+
+
 def _stored_page(body: str) -> list[str]:
     return re.findall(r'<tr data-entry="([^"]+)">', body)
 
 
-def test_stored_entries_are_listed_by_prefix_a_page_at_a_time_without_reading_them_all(clean_env, namespace, rdb):
+def test_stored_entries_are_listed_by_prefix_a_page_at_a_time_without_reading_them_all(
+    clean_env, namespace, rdb, targets
+):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     schedules = gp.Schedules(rdb, namespace)
     for n in range(250):
@@ -937,23 +948,24 @@ def test_stored_entries_are_listed_by_prefix_a_page_at_a_time_without_reading_th
 
 
 def test_an_entry_stored_from_the_dashboard_is_confirmed_logged_with_who_and_fired_as_given(
-    clean_env, namespace, rdb, caplog
+    clean_env, namespace, rdb, caplog, targets
 ):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     form = {"name": "digest.42", "spec": "0 8 * * *", "zone": "Europe/Budapest", "event": "digest.due"}
     form |= {"data": '{"customer": 42}', "back": "stored", "prefix": "digest."}
-    with serving(create_app()) as base:
+    with serving(create_app(store_entries=True)) as base:
         browser = Browser(base)
         token = browser.csrf("/scheduler/stored")
         assert browser.open("/scheduler/stored/add", form).status == 403  # no CSRF token
         assert browser.open("/scheduler/stored/add", {**form, "csrf": "forged", "confirmed": "yes"}).status == 403
         confirm = browser.open("/scheduler/stored/add", {**form, "csrf": token})
         assert "Store schedule entry digest.42?" in confirm.body
-        assert "It fires at 0 8 * * * (Europe/Budapest): event digest.due with the data given" in confirm.body
+        assert "It fires at 0 8 * * * (Europe/Budapest): event digest.due with the data below" in confirm.body
+        assert "<dt>data</dt><dd><code>{&#34;customer&#34;: 42}</code></dd>" in confirm.body  # shown in full
         assert not rdb.hlen(f"{namespace}:scheduler:dynamic")  # nothing done yet
         with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
             done = browser.open("/scheduler/stored/add", {**form, "csrf": token, "confirmed": "yes"})
-            actor = {"name": "cleanup", "spec": "@every 10m", "actor": "cleanup", "args": '["/tmp"]', "queue": "ops"}
+            actor = {"name": "cleanup", "spec": "@every 10m", "actor": "cleanup", "args": '["/tmp"]'}
             browser.open("/scheduler/stored/add", {**actor, "csrf": token, "confirmed": "yes"})
             removed = browser.open("/scheduler/stored/cleanup/remove", {"csrf": token, "confirmed": "yes"})
         assert done.status == 200 and done.url.endswith("/scheduler/stored?prefix=digest.")
@@ -970,8 +982,9 @@ def test_an_entry_stored_from_the_dashboard_is_confirmed_logged_with_who_and_fir
     assert gp.Schedules(rdb, namespace).get("cleanup") is None
     assert [r.getMessage() for r in caplog.records if r.name == "dramatiq_gp.actions"] == [
         "schedule add by anonymous (dashboard, 127.0.0.1): entry digest.42 added: 0 8 * * * (Europe/Budapest), "
-        "event digest.due",
-        "schedule add by anonymous (dashboard, 127.0.0.1): entry cleanup added: @every 10m (UTC), actor cleanup",
+        'event digest.due on queue default, data {"customer": 42}, options {}',
+        "schedule add by anonymous (dashboard, 127.0.0.1): entry cleanup added: @every 10m (UTC), actor cleanup "
+        'on queue maintenance, args ["/tmp"], kwargs {}, options {}',
         "schedule remove by anonymous (dashboard, 127.0.0.1): entry cleanup removed",
     ]
 
@@ -986,16 +999,43 @@ def test_an_entry_stored_from_the_dashboard_is_confirmed_logged_with_who_and_fir
         ({"actor": "job"}, "refused: give an event's wire name or an actor's name, not both"),
         ({"name": "nightly"}, "refused: schedule entry 'nightly' is a code entry a worker published"),
         ({"name": "taken"}, "refused: schedule entry 'taken' exists already: replace it to change it"),
+        (
+            {"event": "", "actor": "delete_account", "args": "[4242]"},
+            "refused: schedule entry 'bad': no worker publishes an actor 'delete_account' as schedulable: mark it",
+        ),
+        (
+            {"event": "", "actor": "listener:digest.due:send", "args": '[{"id": "x", "event": "digest.due"}]'},
+            "refused: schedule entry 'bad': 'listener:digest.due:send' is one of the kit's own task types",
+        ),
+        ({"event": "", "actor": "event:digest.due"}, "refused: schedule entry 'bad': 'event:digest.due' is one of"),
+        (
+            {"event": "", "actor": "cleanup", "queue": "admin"},
+            "refused: schedule entry 'bad': actor 'cleanup' runs from queue 'maintenance' only",
+        ),
+        ({"event": "order.placed"}, "refused: schedule entry 'bad': no worker publishes an event 'order.placed'"),
     ],
-    ids=["bad-spec", "bad-zone", "bad-name", "bad-json", "both-targets", "code-name", "exists"],
+    ids=[
+        "bad-spec",
+        "bad-zone",
+        "bad-name",
+        "bad-json",
+        "both-targets",
+        "code-name",
+        "exists",
+        "not-schedulable",
+        "listener",
+        "fan-out",
+        "other-queue",
+        "event-not-schedulable",
+    ],
 )
-def test_a_refused_entry_shows_its_one_line_and_nothing_is_stored(fields, shown, clean_env, namespace, rdb):
+def test_a_refused_entry_shows_its_one_line_and_nothing_is_stored(fields, shown, clean_env, namespace, rdb, targets):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
     gp.Schedules(rdb, namespace).add("taken", "@daily", EventByName("digest.due", {}))
     stored_before = rdb.hgetall(f"{namespace}:scheduler:dynamic")
     form = {"name": "bad", "spec": "@daily", "event": "digest.due", "data": "{}", "back": "stored", **fields}
-    with serving(create_app()) as base:
+    with serving(create_app(store_entries=True)) as base:
         browser = Browser(base)
         token = browser.csrf("/scheduler/stored")
         done = browser.open("/scheduler/stored/add", {**form, "csrf": token, "confirmed": "yes"})
@@ -1006,7 +1046,9 @@ def test_a_refused_entry_shows_its_one_line_and_nothing_is_stored(fields, shown,
     assert rdb.zcard(f"{namespace}:scheduler:names") == 1
 
 
-def test_a_stored_entry_paused_and_resumed_from_its_page_returns_to_that_page(clean_env, namespace, rdb, caplog):
+def test_a_stored_entry_paused_and_resumed_from_its_page_returns_to_that_page(
+    clean_env, namespace, rdb, targets, caplog
+):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     for n in range(3):
         gp.Schedules(rdb, namespace).add(f"digest.{n}", "@daily", EventByName("digest.due", {"customer": n}))
@@ -1032,7 +1074,7 @@ def test_a_stored_entry_paused_and_resumed_from_its_page_returns_to_that_page(cl
     ]
 
 
-def test_a_stored_entry_runs_now_from_its_page_and_returns_to_it(clean_env, namespace, rdb, caplog):
+def test_a_stored_entry_runs_now_from_its_page_and_returns_to_it(clean_env, namespace, rdb, targets, caplog):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     gp.Schedules(rdb, namespace, warn_leaderless=False).add("report.7", "@daily", "report", args=[7])
     with serving(create_app()) as base:
@@ -1049,10 +1091,10 @@ def test_a_stored_entry_runs_now_from_its_page_and_returns_to_it(clean_env, name
     )
 
 
-def test_read_only_lists_the_stored_entries_and_refuses_to_store_or_remove_them(clean_env, namespace, rdb):
+def test_read_only_lists_the_stored_entries_and_refuses_to_store_or_remove_them(clean_env, namespace, rdb, targets):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     gp.Schedules(rdb, namespace).add("digest.1", "@daily", EventByName("digest.due", {}))
-    with serving(create_app(read_only=True)) as base:
+    with serving(create_app(read_only=True, store_entries=True)) as base:
         browser = Browser(base)
         page = browser.open("/scheduler/stored")
         assert _stored_page(page.body) == ["digest.1"]
@@ -1064,7 +1106,32 @@ def test_read_only_lists_the_stored_entries_and_refuses_to_store_or_remove_them(
     assert sorted(rdb.hkeys(f"{namespace}:scheduler:dynamic")) == ["digest.1"]
 
 
-def test_a_stored_entry_that_cannot_be_read_is_marked_and_the_rest_of_its_page_shows(clean_env, namespace, rdb):
+def test_storing_entries_is_a_privilege_of_its_own_off_by_default(clean_env, namespace, rdb, targets):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    gp.Schedules(rdb, namespace).add("digest.1", "@daily", EventByName("digest.due", {}))
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        page = browser.open("/scheduler/stored")
+        assert (
+            'id="add-entry"' not in page.body and 'id="store-off"' in page.body and ">Remove</button>" not in page.body
+        )
+        assert ">Run now</button>" in page.body and ">Pause</button>" in page.body  # the other actions stay
+        token = browser.csrf("/scheduler/stored")
+        form = {"name": "x", "spec": "@daily", "event": "digest.due", "csrf": token, "confirmed": "yes"}
+        for path, fields in (("/scheduler/stored/add", form), ("/scheduler/stored/digest.1/remove", form)):
+            refused = browser.open(path, fields)
+            assert refused.status == 403 and "--store-entries" in refused.body, path
+    assert sorted(rdb.hkeys(f"{namespace}:scheduler:dynamic")) == ["digest.1"]
+    with serving(create_app(store_entries=True)) as base:
+        page = Browser(base).open("/scheduler/stored")
+    # What the form may target, as the workers publish it: never a kit task type, even one published by hand.
+    assert re.findall(r'<tr data-target="([^"]+)">', page.body) == ["actor:cleanup", "actor:report", "event:digest.due"]
+    assert '<option value="cleanup">' in page.body and "listener:" not in page.body
+
+
+def test_a_stored_entry_that_cannot_be_read_is_marked_and_the_rest_of_its_page_shows(
+    clean_env, namespace, rdb, targets
+):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     schedules = gp.Schedules(rdb, namespace)
     for name in ("a.good", "b.bad"):

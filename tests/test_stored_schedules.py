@@ -30,11 +30,12 @@ from devtools.scheduler_cluster import Cluster
 from dramatiq_gp.cli import main
 from dramatiq_gp.names import tick_message_id
 from dramatiq_gp.scheduler.dynamic import EventByName
-from helpers import wait_for
+from helpers import publish_schedulable, wait_for
 
 TTL = 2.0
 
 
+@gp.schedulable
 @gp.event("test.stored.ping")
 @dataclass(frozen=True)
 class Ping:
@@ -43,6 +44,7 @@ class Ping:
 
 @pytest.fixture
 def schedules(rdb, namespace) -> gp.Schedules:
+    publish_schedulable(rdb, namespace, actors={"job": "default"}, events=("test.stored.ping", "digest.due"))
     return gp.Schedules(rdb, namespace, timezone="Europe/Budapest")
 
 
@@ -117,11 +119,20 @@ def test_a_code_entry_keeps_its_name(make_kit):
 def test_the_kit_checks_actors_queues_and_options_against_its_broker(make_kit):
     kit = make_kit()
 
+    @gp.schedulable
     @dramatiq.actor(queue_name="reports", broker=kit.broker)
     def build_report(customer: int) -> None: ...
 
-    assert "no actor named 'nope'" in _error(lambda: kit.schedules.add("r", "@daily", "nope"))
-    assert "unknown option(s) bogus" in _error(lambda: kit.schedules.add("r", "@daily", build_report, bogus=1))
+    assert "no worker publishes an actor 'nope' as schedulable" in _error(
+        lambda: kit.schedules.add("r", "@daily", "nope")
+    )
+    assert "option(s) bogus cannot be stored" in _error(lambda: kit.schedules.add("r", "@daily", build_report, bogus=1))
+    assert "runs from queue 'reports' only" in _error(
+        lambda: kit.schedules.add("r", "@daily", build_report, args=[7], queue="default")
+    )
+    assert "cannot take these arguments: missing a required argument: 'customer'" in _error(
+        lambda: kit.schedules.add("r", "@daily", build_report)
+    )
     kit.schedules.add("r", "@daily", build_report, args=[7], max_retries=2)
     stored = kit.schedules.get("r")
     assert (stored.kind, stored.target, stored.queue, stored.options) == (
@@ -193,6 +204,7 @@ def _stored_firings(cluster: Cluster) -> dict[str, list[tuple[datetime, str]]]:
 def test_stored_entries_fire_every_tick_once_through_leader_kills(cluster, rdb, namespace):
     nodes = cluster(3)
     nodes.wait_for_leader()
+    publish_schedulable(rdb, namespace, events=("test.stored.ping",))
     schedules = gp.Schedules(rdb, namespace)
     names = [f"digest.{n}" for n in range(20)]
     for n, name in enumerate(names):
@@ -273,6 +285,7 @@ def run_worker_app(tmp_path, clean_env, redis_url, namespace):
 
 def test_the_cli_adds_lists_previews_and_removes_stored_entries(clean_env, namespace, rdb):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    publish_schedulable(rdb, namespace, actors={"cleanup": "default"}, events=("digest.due",))
 
     def cli(*args: str):
         return CliRunner().invoke(main, list(args))
@@ -319,6 +332,7 @@ def test_a_stored_actor_entry_takes_overlap_and_its_runs_never_overlap(make_kit,
     kit = make_kit(env={"SCHEDULER_DYNAMIC": "true", "SCHEDULER_LEASE_TTL": "1500ms"})
     runs: list[tuple[float, float]] = []
 
+    @gp.schedulable
     @dramatiq.actor(broker=kit.broker, actor_name="slow_report")
     def slow_report(customer: int) -> None:
         started = time.monotonic()
@@ -338,6 +352,7 @@ def test_a_stored_actor_entry_takes_overlap_and_its_runs_never_overlap(make_kit,
 
 def test_a_stored_entry_runs_now_and_is_backfilled_under_its_ticks_ids(clean_env, namespace, rdb):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    publish_schedulable(rdb, namespace, actors={"report": "default"})
     schedules = gp.Schedules(rdb, namespace, warn_leaderless=False)
     schedules.add(
         "report.5", IntervalTrigger(seconds=2, start_date=datetime(2026, 1, 1, tzinfo=UTC)), "report", args=[5]

@@ -6,7 +6,11 @@
   without them (:func:`loopback`).
 * **CSRF.** An action is a POST whose form carries the token of the
   ``gp_csrf`` cookie (a double-submit token: a page of another site can send
-  the cookie but cannot read it). The cookie is ``SameSite=Strict`` too.
+  the cookie but cannot read it). The cookie is ``SameSite=Strict`` too. And a
+  POST a browser sends from a page of another origin (``Origin``,
+  ``Sec-Fetch-Site``) gets 403 before any of that (:class:`SameOrigin`): cookies
+  are not isolated by port, so a page on another port of the same host can set
+  the cookie it then submits.
 * **Who.** Each action is logged with the user (or ``token``, or ``anonymous``
   on a loopback dashboard without credentials) and the client's address.
 * **Hosts.** With an allowed-hosts list (the command's default: the address it
@@ -168,6 +172,71 @@ class AllowedHosts:
             await PlainTextResponse("this Host is not allowed (DASHBOARD_ALLOWED_HOSTS)", 400)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+#: The methods that change nothing: every other one must come from the dashboard's own origin.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class SameOrigin:
+    """ASGI middleware: a request that may change something, sent by a page of another origin, gets 403.
+
+    Browsers say where a request comes from. ``Sec-Fetch-Site`` must be
+    ``same-origin`` (or ``none``: typed by the user); ``same-site`` is refused,
+    since a page on another port of the same host is same-site. ``Origin`` must
+    name the host and port the request was sent to (its ``Host``). A request with
+    neither header is not a browser's (curl, a script): it still needs its CSRF
+    token and credentials. Each refusal is logged on ``dramatiq_gp.dashboard``.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        site = headers.get(b"sec-fetch-site", b"").decode("latin-1")
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        host = headers.get(b"host", b"").decode("latin-1")
+        if (site and site not in ("same-origin", "none")) or (origin and not _same_host(origin, host)):
+            client = scope["client"][0] if scope.get("client") else "unknown"
+            logger.warning(
+                "dashboard: %s %s from %s refused: sent by a page of another origin (Origin %r, Sec-Fetch-Site %r)",
+                scope["method"],
+                _escaped(scope["path"])[:200],
+                client,
+                origin[:200],
+                site[:40],
+            )
+            await PlainTextResponse("refused: this request comes from a page of another origin", 403)(
+                scope, receive, send
+            )
+            return
+        await self.app(scope, receive, send)
+
+
+def _same_host(origin: str, host: str) -> bool:
+    """Whether ``origin`` (``scheme://host[:port]``) names ``host`` (a ``Host`` header): the same name and the same
+    port as written (a default port left out on both sides)."""
+    scheme, sep, rest = origin.partition("://")
+    if not sep or not scheme or "/" in rest:  # "null" (a sandboxed or file page), or no origin at all
+        return False
+    return _host_port(rest) == _host_port(host)
+
+
+def _host_port(host: str) -> tuple[str, str]:
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, _, rest = host[1:].partition("]")
+        return name, rest.removeprefix(":")
+    name, _, port = host.rpartition(":") if host.count(":") == 1 else (host, "", "")
+    return name, port
+
+
+def _escaped(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _bare_host(host: str) -> str:

@@ -39,6 +39,7 @@ from .access import (
     AllowedHosts,
     Credentials,
     RequireCredentials,
+    SameOrigin,
     SecurityHeaders,
     csrf_ok,
     csrf_token,
@@ -51,6 +52,11 @@ HERE = Path(__file__).parent
 FLASH_COOKIE = "gp_flash"
 #: How a flash of an action refused starts: the page shows it as an error.
 REFUSED = "refused: "
+#: The answer to a change of stored entries where it is not allowed.
+STORE_OFF = (
+    "storing schedule entries is off on this dashboard: start it with --store-entries (whoever stores an entry "
+    "chooses what the workers run)"
+)
 
 
 class Refused(Exception):
@@ -88,9 +94,10 @@ def _age(ms: int | None) -> str:
 class _Dashboard:
     """The routes, bound to one :class:`Reader`."""
 
-    def __init__(self, reader: Reader, *, read_only: bool) -> None:
+    def __init__(self, reader: Reader, *, read_only: bool, store_entries: bool) -> None:
         self.reader = reader
         self.read_only = read_only
+        self.store_entries = store_entries and not read_only
         self.templates = Jinja2Templates(directory=HERE / "templates")
         self.templates.env.filters.update(
             when=_when,
@@ -117,6 +124,7 @@ class _Dashboard:
             name,
             {
                 "read_only": self.read_only,
+                "store_entries": self.store_entries,
                 "csrf": csrf_token(request),
                 "flash": unquote(flash or ""),
                 "refused": REFUSED,
@@ -148,6 +156,7 @@ class _Dashboard:
             after=after,
             zone=self.reader.settings.scheduler.timezone,
             pii=self.reader.pii,
+            targets=self.reader.targets() if self.store_entries else [],
             **self.reader.stored(prefix, after),
         )
 
@@ -189,11 +198,25 @@ class _Dashboard:
     # -- actions -------------------------------------------------------------------
 
     async def act(
-        self, request: Request, *, title: str, consequence: str, perform: Callable[[FormData, str], str], back: str
+        self,
+        request: Request,
+        *,
+        title: str,
+        consequence: str,
+        perform: Callable[[FormData, str], str],
+        back: str,
+        details: Sequence[tuple[str, str]] = (),
+        stores: bool = False,
     ) -> Response:
-        """An action: refused when read-only or without the page's CSRF token, confirmed, done, logged."""
+        """An action: refused when read-only or without the page's CSRF token, confirmed, done, logged.
+
+        ``stores``: it changes stored schedule entries, which is a privilege of its own (``--store-entries``).
+        ``details``: what the confirmation page shows in full, beside the consequence.
+        """
         if self.read_only:
             return PlainTextResponse("this dashboard is read-only (--read-only)", 403)
+        if stores and not self.store_entries:
+            return PlainTextResponse(STORE_OFF, 403)
         form = await request.form()
         if not csrf_ok(request, form.get(CSRF_FIELD)):
             return PlainTextResponse("CSRF check failed: reload the page and try again", 403)
@@ -205,6 +228,7 @@ class _Dashboard:
                 page=None,
                 title=title,
                 consequence=consequence,
+                details=details,
                 fields=fields,
                 action=request.url.path,
                 back=back,
@@ -347,9 +371,14 @@ class _Dashboard:
         event, actor, queue = (str(form.get(k) or "").strip() for k in ("event", "actor", "queue"))
         replace = form.get("replace") == "yes"
         fires = f"{spec} ({zone or self.reader.settings.scheduler.timezone})"
-        what = f"event {event} with the data given" if event else f"actor {actor} with the arguments given"
-        if actor and queue:
-            what += f", on queue {queue}"
+        what = f"event {event} with the data below" if event else f"actor {actor} with the arguments below"
+        details = [("trigger", fires)]
+        if event:
+            details.append(("event", event))
+            details.append(("data", str(form.get("data") or "{}")))
+        else:
+            details.append(("actor", actor + (f" on queue {queue}" if queue else " on its queue")))
+            details += [(k, str(form.get(k) or ("[]" if k == "args" else "{}"))) for k in ("args", "kwargs")]
 
         def perform(form: FormData, by: str) -> str:
             if bool(event) == bool(actor):
@@ -377,6 +406,8 @@ class _Dashboard:
             perform=perform,
             back=await self._back(request, stored=True),
             consequence=consequence,
+            details=details,
+            stores=True,
         )
 
     async def remove_stored(self, request: Request) -> Response:
@@ -393,6 +424,7 @@ class _Dashboard:
             perform=perform,
             back=await self._back(request, stored=True),
             consequence="Its ticks stop at once; its last fire and its pause are forgotten. Add it again to undo.",
+            stores=True,
         )
 
 
@@ -456,6 +488,7 @@ def create_app(
     settings: Settings | None = None,
     *,
     read_only: bool = False,
+    store_entries: bool = False,
     credentials: Credentials | None = None,
     client: redis.Redis | None = None,
     engine: Any = None,
@@ -466,6 +499,9 @@ def create_app(
     Parameters:
         settings: where to read from; default :meth:`Settings.from_env`.
         read_only: hide every action, and refuse them.
+        store_entries: allow storing and removing schedule entries (off by default: an entry makes the
+            workers run a schedulable actor or event with the arguments given, at every tick). Refused
+            when ``read_only``.
         credentials: what every request must carry; default ``DASHBOARD_*``.
             Mounted in an application that authenticates by itself, pass
             ``Credentials()`` and that application's user is the one logged.
@@ -493,7 +529,7 @@ def create_app(
         engine = settings.db.engine()
         owned.append(engine.dispose)
     view = view_for(settings, client)
-    dashboard = _Dashboard(Reader(settings, client, engine, view), read_only=read_only)
+    dashboard = _Dashboard(Reader(settings, client, engine, view), read_only=read_only, store_entries=store_entries)
     display, db_display = settings.redis.display(), settings.db.display() if settings.db.configured else ""
 
     def unreachable(request: Request, exc: Exception) -> Response:
@@ -537,7 +573,11 @@ def create_app(
 
     if allowed_hosts is None:
         allowed_hosts = settings.dashboard.hosts()
-    middleware = [Middleware(SecurityHeaders), Middleware(RequireCredentials, credentials=credentials)]
+    middleware = [
+        Middleware(SecurityHeaders),
+        Middleware(SameOrigin),
+        Middleware(RequireCredentials, credentials=credentials),
+    ]
     if allowed_hosts is not None:
         middleware.insert(1, Middleware(AllowedHosts, hosts=allowed_hosts))
     return Starlette(

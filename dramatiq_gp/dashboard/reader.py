@@ -22,6 +22,7 @@ from ..health import recorded
 from ..records import json_object, moment, text, unreadable
 from ..scheduler.dynamic import Schedules
 from ..scheduler.status import paused_by, scheduler_status
+from ..scheduler.targets import Target, published
 from ..settings import Settings
 from ..status import LIVE_MS, outbox_status
 
@@ -96,9 +97,13 @@ class Reader:
 
     @property
     def schedules(self) -> Schedules:
-        """The entries stored at run time, in the scheduler's namespace (no code, so shapes are checked, not
-        names: a worker refuses what it does not know, as for any message)."""
+        """The entries stored at run time, in the scheduler's namespace; with no code here, their targets are
+        checked against those the workers publish as schedulable."""
         return Schedules(self.client, self.scheduler_keys.namespace, timezone=self.settings.scheduler.timezone)
+
+    def targets(self) -> list[Target]:
+        """What the workers publish as schedulable, by kind and name: what the form may store."""
+        return sorted(published(self.client, self.scheduler_keys).values(), key=lambda t: (t.kind, t.name))
 
     def queues(self) -> list[dict[str, Any]]:
         """Per queue the workers recorded: ready, in flight, delayed and dead (on RabbitMQ, consumers too)."""

@@ -3,6 +3,7 @@
 * :mod:`.cron`: standard cron, descriptors, ``@every`` and the DST policy;
 * :mod:`.schedule`: the fluent :class:`Schedule`, its entries, and the module-level ``@job``;
 * :mod:`.dynamic`: the entries the application stores at run time, and their due-time index;
+* :mod:`.targets`: what a stored entry may target (what the code marks ``schedulable``), published for the operators;
 * :mod:`.lease`: the leader lease on Redis;
 * :mod:`.runner`: firing ticks exactly once, and catching up after a takeover;
 * :mod:`.outlet`: where a fired tick goes, one outlet per kind of broker;
@@ -16,6 +17,7 @@ from .dynamic import Schedules, StoredEntry
 from .lease import Lease
 from .runner import Runner
 from .schedule import OVERLAP_OPTION, Entry, Schedule, ScheduleError, default_schedule, job
+from .targets import schedulable
 
 __all__ = [
     "OVERLAP_OPTION",
@@ -29,4 +31,5 @@ __all__ = [
     "StoredEntry",
     "default_schedule",
     "job",
+    "schedulable",
 ]

@@ -46,14 +46,15 @@ from apscheduler.triggers.interval import IntervalTrigger
 from dramatiq import Actor
 
 from .. import keys
-from ..errors import EventEncodeError, EventError
-from ..events import event_type
+from ..errors import EventEncodeError, EventError, PayloadMismatch
+from ..events import event_type, event_type_named
 from ..lua import scripts
 from ..names import EVENT_QUEUE, NAME
 from ..records import json_object, text, unreadable
 from ..settings import QUEUE_NAME
 from .cron import CronError, parse
 from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known, zone_named
+from .targets import Checker, refuse_kit_task_type, refuse_options
 from .triggers import SpecTrigger
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class Schedules:
         self.client, self.keys = client, keys.SchedulerKeys(namespace)
         self.zone = zone_named(timezone, "SCHEDULER_TIMEZONE")
         self._schedule, self._broker = schedule, broker
+        self._targets = Checker(client, self.keys, broker)
         self._add = client.register_script(_SCRIPTS["add"])
         self._remove = client.register_script(_SCRIPTS["remove"])
         self._warned = not warn_leaderless
@@ -172,6 +174,7 @@ class Schedules:
             raise ScheduleError(f"{where}: overlap={overlap!r} is not one of {', '.join(map(repr, OVERLAPS))}")
         if overlap != "allow":
             options[OVERLAP_OPTION] = {"key": name, "mode": overlap}
+        refuse_options(where, options)
         record = {"trigger": encode_trigger(when, zone, where), "zone": zone.key, "options": dict(options)}
         record.update(self._target(where, target, args, kwargs, queue))
         if overlap != "allow" and "event" in record:
@@ -261,33 +264,38 @@ class Schedules:
         self, where: str, target: object, args: Sequence[Any], kwargs: Mapping[str, Any] | None, queue: str | None
     ) -> dict[str, Any]:
         if isinstance(target, Actor | str):
-            actor = target.actor_name if isinstance(target, Actor) else target
-            if self._broker is not None and actor not in self._broker.actors:
-                raise ScheduleError(f"{where}: no actor named {actor!r} is declared on the broker")
-            if queue is None:
-                queue = target.queue_name if isinstance(target, Actor) else self._actor_queue(actor)
-            return {"actor": actor, "args": list(args), "kwargs": dict(kwargs or {}), "queue": queue}
+            actor = self._targets.actor(where, target.actor_name if isinstance(target, Actor) else target)
+            if queue is not None and queue != actor.queue:
+                raise ScheduleError(
+                    f"{where}: actor {actor.name!r} runs from queue {actor.queue!r} only (a worker refuses its "
+                    f"messages on another), not {queue!r}"
+                )
+            actor.check_call(where, args, kwargs or {})
+            return {"actor": actor.name, "args": list(args), "kwargs": dict(kwargs or {}), "queue": actor.queue}
         if args or kwargs:
             raise ScheduleError(f"{where}: args= and kwargs= are for an actor; an event carries its payload")
         if queue is not None:
             raise ScheduleError(f"{where}: queue= is for an actor; an event's listeners choose their own queues")
         if isinstance(target, EventByName):
-            return {"event": target.name, "data": target.data, "queue": EVENT_QUEUE}
-        try:
-            kind = event_type(target)
-            if isinstance(target, type):
-                raise ScheduleError(f"{where}: give an event instance, not the class")
-            payload = kind.encode(target)
-        except (EventError, EventEncodeError) as exc:
-            raise ScheduleError(
-                f"{where}: {exc} (the target is an event instance, an actor, or an actor's name)"
-            ) from None
-        return {"event": kind.name, "data": payload, "queue": EVENT_QUEUE}
-
-    def _actor_queue(self, actor: str) -> str:
-        if self._broker is not None:
-            return str(self._broker.get_actor(actor).queue_name)
-        return "default"
+            name, data = target.name, target.data
+            own = event_type_named(name) if self._broker is not None else None
+        else:
+            try:
+                own = event_type(target)
+                if isinstance(target, type):
+                    raise ScheduleError(f"{where}: give an event instance, not the class")
+                name, data = own.name, own.encode(target)
+            except (EventError, EventEncodeError) as exc:
+                raise ScheduleError(
+                    f"{where}: {exc} (the target is an event instance, an actor, or an actor's name)"
+                ) from None
+        self._targets.event(where, name).check_data(where, data)
+        if own is not None:
+            try:
+                own.decode(data)
+            except PayloadMismatch as exc:
+                raise ScheduleError(f"{where}: {exc}") from None
+        return {"event": name, "data": data, "queue": EVENT_QUEUE}
 
     def _check_options(self, name: str, options: Mapping[str, Any]) -> None:
         known = getattr(self._broker, "actor_options", None)
@@ -333,6 +341,7 @@ def decode(name: str, record: Mapping[str, Any]) -> Entry:
             raise ScheduleError(f"{where}: {queue!r} is not a queue name")
         if not isinstance(options, dict):
             raise ScheduleError(f"{where}: its options are not a JSON object")
+        refuse_options(where, options)
         common: dict[str, Any] = {"name": name, "trigger": trigger, "zone": zone, "queue": queue, "options": options}
         common["fixed_zone"] = True
         if "event" in record:
@@ -340,7 +349,9 @@ def decode(name: str, record: Mapping[str, Any]) -> Entry:
         args, kwargs = record.get("args") or [], record.get("kwargs") or {}
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise ScheduleError(f"{where}: its args are not a JSON list, or its kwargs not an object")
-        return Entry(actor=str(record["actor"]), args=tuple(args), kwargs=kwargs, **common)
+        actor = str(record["actor"])
+        refuse_kit_task_type(where, actor)
+        return Entry(actor=actor, args=tuple(args), kwargs=kwargs, **common)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ScheduleError):
             raise

@@ -56,6 +56,7 @@ from ..names import tick_message_id
 from .cron import CronError, parse
 from .dynamic import decode_raw
 from .schedule import Entry, ScheduleError
+from .targets import Checker
 from .triggers import SpecTrigger, first_at_or_after, following
 
 _SCRIPTS = scripts(__file__)
@@ -177,7 +178,9 @@ def template(client: redis.Redis, scheduler: keys.SchedulerKeys, name: str) -> T
     if raw is not None:
         return Template.decode(name, raw)
     if stored is not None:
-        return Template.of(decode_raw(name, stored), stored=True)
+        entry = decode_raw(name, stored)
+        Checker(client, scheduler).entry(entry)  # stored before its target was marked, or since unmarked
+        return Template.of(entry, stored=True)
     if published:
         raise ScheduleError(
             f"schedule entry {name!r} was published by workers older than `schedule run`, with no template to "

@@ -75,6 +75,7 @@ from opentelemetry.trace import Status, StatusCode
 from .. import keys
 from ..aio import is_async, require_event_loop
 from ..brokers.base import KitBroker
+from ..events import declared_events
 from ..exactly_once import Running, run_handler, run_handler_async
 from ..lua import scripts
 from ..metrics import instruments, observe
@@ -89,6 +90,8 @@ from .manual import Template, tick_message
 from .outlet import Tick, TickNotDurable, outlet_for
 from .schedule import Entry, Schedule, ScheduleError
 from .status import scheduler_status
+from .targets import Checker
+from .targets import publish as publish_targets
 from .triggers import SpecTrigger, first_at_or_after, following, just_after, upcoming
 
 #: Redis, or a broker whose queues are elsewhere, out of reach, or claims no replica acknowledged: try again
@@ -104,6 +107,8 @@ MAX_SLEEP_S = 0.25
 UPCOMING = 5
 #: How many due stored entries the leader reads per round trip.
 STORED_BATCH = 500
+#: How long the leader uses a read of the published schedulable targets before reading it again.
+TARGETS_MAX_AGE_S = 5.0
 
 _STORED_SCRIPTS = scripts(dynamic.__file__)
 
@@ -177,6 +182,8 @@ class Runner:
         self._stored_thread: threading.Thread | None = None
         self._advance = broker.client.register_script(_STORED_SCRIPTS["advance"])
         self._code_names = {entry.name for entry in schedule}
+        #: What stored entries may target: this process's code where it declares the target, else as published.
+        self._targets = Checker(broker.client, self.keys, broker, max_age_s=TARGETS_MAX_AGE_S)
         #: Stored entries already reported as unreadable or shadowed by a code entry (once each).
         self._reported: set[str] = set()
         self._timer = BackgroundScheduler(
@@ -214,6 +221,8 @@ class Runner:
             client.hset(
                 self.keys.templates, mapping={entry.name: Template.of(entry).encode() for entry in self.schedule}
             )
+        # What stored entries may target, for the dashboard and `dramatiq-gp schedule add` (no code loaded there).
+        publish_targets(client, self.keys, self.broker, declared_events())
         policy = self.settings
         client.set(
             self.keys.catchup,
@@ -448,7 +457,8 @@ class Runner:
             entry = self._stored_entry(name, raw)
             if entry is not None:
                 chosen, on_time, after = self._due_ticks(entry, datetime.fromtimestamp(due_ms / 1000, UTC), now)
-                firings += [(entry, tick, tick in chosen) for tick in [*chosen, *on_time]]
+                if self._may_fire(entry):  # else its ticks are passed over, as a paused entry's
+                    firings += [(entry, tick, tick in chosen) for tick in [*chosen, *on_time]]
             moves += [name, int(due_ms), "" if after is None else _ms(after)]
         # Claimed in one round trip; moved on only once fired: a leader stopped in between leaves them due,
         # and its successor's claims find them fired already.
@@ -470,6 +480,16 @@ class Runner:
         except ScheduleError as exc:
             self._report(name, "schedule runner: stored entry not fired: %s", exc)
             return None
+
+    def _may_fire(self, entry: Entry) -> bool:
+        """Whether a stored entry's target is schedulable (said once per entry when it is not)."""
+        try:
+            self._targets.entry(entry)
+        except ScheduleError as exc:
+            self._report(entry.name, "schedule runner: stored entry not fired: %s", exc)
+            return False
+        self._reported.discard(entry.name)  # allowed again (marked since): a later refusal is said again
+        return True
 
     def _report(self, name: str, message: str, *args: Any) -> None:
         if name not in self._reported:

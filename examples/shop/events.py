@@ -21,6 +21,9 @@ class SyncInventory:
     """Time to reconcile stock with the warehouse (every 15 minutes)."""
 
 
+# Operators may store entries that dispatch it (a digest at another hour, for one customer): OrderPlaced and
+# SyncInventory they may not, as they carry what only the shop's own code should say happened.
+@gp.schedulable
 @gp.event("shop.digest_due")
 @dataclass(frozen=True)
 class DigestDue:

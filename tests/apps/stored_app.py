@@ -16,6 +16,7 @@ import dramatiq
 import dramatiq_gp as gp
 
 
+@gp.schedulable
 @gp.event("test.stored.digest")
 @dataclass(frozen=True)
 class Digest:
@@ -39,6 +40,7 @@ kit = gp.Kit(register, registry=gp.Registry())
 broker = kit.broker
 
 
+@gp.schedulable
 @dramatiq.actor(queue_name="digests")
 def send_digest(customer: int, *, channel: str = "mail") -> None:
     _record({"actor": customer, "channel": channel})
