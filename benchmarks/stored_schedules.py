@@ -38,11 +38,14 @@ import redis
 import dramatiq_gp as gp
 from devtools.scheduler_cluster import Cluster
 from devtools.services import redis_url
+from dramatiq_gp import keys
+from dramatiq_gp.scheduler.targets import of_event
 
 #: The burst entries' spec: every one fires at each minute's start.
 BURST_SPEC = "* * * * *"
 
 
+@gp.schedulable
 @gp.event("bench.digest")
 @dataclass(frozen=True)
 class Digest:
@@ -75,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         try:
             cluster.wait_for_leader()
+            # The cluster's processes do not declare the event: published as a worker whose code has it would.
+            target = of_event(gp.event_type(Digest))
+            client.hset(keys.SchedulerKeys(namespace).schedulable, target.field, target.encode())
             schedules = gp.Schedules(client, namespace)
             started = time.perf_counter()
             for n in range(args.dynamic):

@@ -28,7 +28,7 @@ from dramatiq_gp.brokers.kinds import view_for
 from dramatiq_gp.brokers.redis_view import RedisQueueView
 from dramatiq_gp.exporter import METRICS
 from dramatiq_gp.scheduler.dynamic import EventByName
-from helpers import wait_for
+from helpers import publish_schedulable, wait_for
 
 #: What a scrape gives: metric name → its label pairs → value.
 Scraped = dict[str, dict[frozenset[tuple[str, str]], float]]
@@ -296,6 +296,7 @@ def test_the_scheduler_leader_the_time_without_one_and_each_entry(clean_env, nam
 
 def test_stored_entries_are_counted_with_how_far_behind_the_earliest_is(clean_env, namespace, rdb):
     scheduler = keys.SchedulerKeys(namespace)
+    publish_schedulable(rdb, namespace, events=("digest.due",))
     schedules = gp.Schedules(rdb, namespace, warn_leaderless=False)
     for n in range(3):
         schedules.add(f"digest.{n}", "0 8 * * *", EventByName("digest.due", {"customer": n}))

@@ -191,7 +191,7 @@ def test_a_stored_entry_s_firing_starts_its_trace_too(make_kit, start_worker, sp
     provider, exporter = spans
     ran = threading.Event()
     kit = make_kit(env={"SCHEDULER_LEASE_TTL": "1500ms", "SCHEDULER_DYNAMIC": "true"}, tracer_provider=provider)
-    report = dramatiq.actor(lambda customer: ran.set(), actor_name="customer_report", broker=kit.broker)
+    report = gp.schedulable(dramatiq.actor(lambda customer: ran.set(), actor_name="customer_report", broker=kit.broker))
     kit.schedules.add("report.customer-7", "@every 1s", report, args=[7])
     start_worker(kit)
     wait_for(ran.is_set, timeout=10)

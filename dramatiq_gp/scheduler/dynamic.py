@@ -126,7 +126,8 @@ class Schedules:
         self.client, self.keys = client, keys.SchedulerKeys(namespace)
         self.zone = zone_named(timezone, "SCHEDULER_TIMEZONE")
         self._schedule, self._broker = schedule, broker
-        self._targets = Checker(client, self.keys, broker)
+        # The published list read once per few seconds: a loop storing thousands of entries reads it once.
+        self._targets = Checker(client, self.keys, broker, max_age_s=5.0)
         self._add = client.register_script(_SCRIPTS["add"])
         self._remove = client.register_script(_SCRIPTS["remove"])
         self._warned = not warn_leaderless
