@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.cookiejar
 import json
 import logging
 import os
+import re
 import socket
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -41,6 +47,38 @@ KIT_PREFIXES = (
     "RABBITMQ_",
     "DASHBOARD_",
 )
+
+
+@dataclass
+class Reply:
+    status: int
+    body: str
+    url: str
+    headers: Any
+
+
+class Browser:
+    """A cookie-keeping HTTP client (urllib), enough to follow the dashboard's forms."""
+
+    def __init__(self, base: str, headers: dict[str, str] | None = None) -> None:
+        self.base = base
+        self.headers = headers or {}
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+
+    def open(self, path: str, form: dict[str, Any] | None = None) -> Reply:
+        data = urllib.parse.urlencode(form, doseq=True).encode() if form is not None else None
+        request = urllib.request.Request(self.base + path, data=data, headers=self.headers)
+        try:
+            with self.opener.open(request, timeout=10) as response:
+                return Reply(response.status, response.read().decode(), response.url, response.headers)
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return Reply(exc.code, exc.read().decode(), exc.url, exc.headers)
+
+    def csrf(self, path: str) -> str:
+        match = re.search(r'name="csrf" value="([^"]+)"', self.open(path).body)
+        assert match, f"no form on {path}"
+        return match.group(1)
 
 
 def close_broker(broker: Any) -> None:

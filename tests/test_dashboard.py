@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import html
-import http.cookiejar
 import json
 import logging
 import os
@@ -19,7 +18,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,6 +44,7 @@ from dramatiq_gp.scheduler.dynamic import EventByName
 from helpers import (
     BAD_DEAD_LETTERS,
     BAD_SCHEDULER,
+    Browser,
     bury,
     publish_schedulable,
     publish_schedule,
@@ -53,38 +52,6 @@ from helpers import (
     stored_dead_letter,
     wait_for,
 )
-
-
-@dataclass
-class Reply:
-    status: int
-    body: str
-    url: str
-    headers: Any
-
-
-class Browser:
-    """A cookie-keeping HTTP client (urllib), enough to follow the dashboard's forms."""
-
-    def __init__(self, base: str, headers: dict[str, str] | None = None) -> None:
-        self.base = base
-        self.headers = headers or {}
-        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
-
-    def open(self, path: str, form: dict[str, Any] | None = None) -> Reply:
-        data = urllib.parse.urlencode(form, doseq=True).encode() if form is not None else None
-        request = urllib.request.Request(self.base + path, data=data, headers=self.headers)
-        try:
-            with self.opener.open(request, timeout=10) as response:
-                return Reply(response.status, response.read().decode(), response.url, response.headers)
-        except urllib.error.HTTPError as exc:
-            with exc:
-                return Reply(exc.code, exc.read().decode(), exc.url, exc.headers)
-
-    def csrf(self, path: str) -> str:
-        match = re.search(r'name="csrf" value="([^"]+)"', self.open(path).body)
-        assert match, f"no form on {path}"
-        return match.group(1)
 
 
 def _queues(kit: gp.Kit) -> QueueView:
@@ -539,6 +506,41 @@ def test_a_request_naming_a_host_it_does_not_allow_gets_400(clean_env, namespace
         assert _raw_get(base, "/", "ops.example.com")[0] == 200
         assert _raw_get(base, "/", "dash.internal:8642")[0] == 200
         assert _raw_get(base, "/", "127.0.0.1")[0] == 400
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({"Origin": "http://127.0.0.1:{port}", "Sec-Fetch-Site": "same-origin"}, 200),
+        ({"Origin": "http://localhost:{port}"}, 403),  # another origin, though the same machine
+        ({"Origin": "http://127.0.0.1:{other}"}, 403),  # another port of the same host
+        ({"Origin": "null"}, 403),  # a sandboxed frame or a file
+        ({"Sec-Fetch-Site": "same-site"}, 403),  # what a page on another port is to the browser
+        ({"Sec-Fetch-Site": "cross-site"}, 403),
+        ({"Sec-Fetch-Site": "none"}, 200),  # typed or bookmarked
+        ({}, 200),  # not a browser (curl, a script): its CSRF token and credentials still hold
+    ],
+    ids=["same-origin", "other-host", "other-port", "null", "same-site", "cross-site", "none", "no-browser"],
+)
+def test_a_post_from_a_page_of_another_origin_is_refused_and_logged(headers, status, clean_env, namespace, rdb, caplog):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    publish_schedule(rdb, namespace)
+    with serving(create_app()) as base:
+        port = urllib.parse.urlsplit(base).port
+        browser = Browser(base)
+        token = browser.csrf("/scheduler")
+        browser.headers = {k: v.format(port=port, other=port + 1) for k, v in headers.items()}
+        with caplog.at_level(logging.WARNING, logger="dramatiq_gp.dashboard"):
+            done = browser.open("/scheduler/good/pause", {"csrf": token, "confirmed": "yes"})
+    assert done.status == status, done.body
+    paused = rdb.hexists(keys.SchedulerKeys(namespace).paused, "good")
+    refusals = [r.getMessage() for r in caplog.records if "another origin" in r.getMessage()]
+    if status == 403:
+        assert done.body == "refused: this request comes from a page of another origin" and not paused
+        (line,) = refusals
+        assert line.startswith("dashboard: POST /scheduler/good/pause from 127.0.0.1 refused:")
+    else:
+        assert paused and not refusals
 
 
 def test_the_command_answers_only_its_own_address_and_localhost_and_believes_no_forwarded_header(

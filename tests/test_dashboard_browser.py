@@ -9,10 +9,15 @@ page is saved there too (``docs/img`` holds the ones ``docs/dashboard.md`` shows
 from __future__ import annotations
 
 import contextlib
+import html
+import http.server
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from devtools.services import free_port
 from dramatiq_gp.brokers.redis_view import RedisQueueView
-from helpers import own_database, wait_for
+from helpers import Browser, own_database, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = "shop.nightly_sales_report"
@@ -307,7 +312,15 @@ def test_an_entry_stored_through_the_form_is_listed_with_its_next_fire(shop, pag
     schedules = gp.Schedules(shop.client, shop.namespace)
     for name, zone in (("digest.apac", "Asia/Tokyo"), ("digest.us-east", "America/New_York")):
         schedules.add(name, "0 8 * * *", EventByName("shop.digest_due", {}), tz=zone, replace=True)
-    page.goto(f"{shop.url}/scheduler")
+    with dashboard(shop, "--store-entries") as (url, _):
+        _store_through_the_form(page, url)
+    assert schedules.get("digest.eu-central").zone == "Europe/Budapest"
+    for name in ("digest.apac", "digest.us-east", "digest.eu-central"):
+        schedules.remove(name)
+
+
+def _store_through_the_form(page: Any, url: str) -> None:
+    page.goto(f"{url}/scheduler")
     assert "2 stored at run time" in page.locator("#stored-summary").inner_text()
     page.locator("#stored-summary a").click()
     form = page.locator("#add-entry")
@@ -326,4 +339,87 @@ def test_an_entry_stored_through_the_form_is_listed_with_its_next_fire(shop, pag
     page.fill('input[name="prefix"]', "digest.us")
     page.click("#search button")
     assert [r.get_attribute("data-entry") for r in page.locator("#stored tbody tr").all()] == ["digest.us-east"]
-    assert schedules.get("digest.eu-central").zone == "Europe/Budapest"
+
+
+def test_only_a_dashboard_allowed_to_store_entries_stores_one_and_only_for_a_schedulable_target(shop):
+    # The shop's worker publishes what its code marks schedulable: the digest event, nothing else.
+    published = f"{shop.namespace}:scheduler:schedulable"
+    wait_for(lambda: shop.client.hkeys(published) == ["event:shop.digest_due"], timeout=30)
+    form = {"name": "digest.night", "spec": "0 22 * * *", "event": "shop.digest_due", "data": "{}"}
+    default = Browser(shop.url)
+    token = default.csrf("/scheduler")
+    refused = default.open("/scheduler/stored/add", {**form, "csrf": token, "confirmed": "yes"})
+    assert refused.status == 403 and "--store-entries" in refused.body
+    listener = "listener:shop.order_placed:send_confirmation"
+    envelope = json.dumps([{"id": "00000000-0000-0000-0000-000000000001", "event": "shop.order_placed", "data": {}}])
+    with dashboard(shop, "--store-entries") as (url, log):
+        allowed = Browser(url)
+        token = allowed.csrf("/scheduler/stored")
+        for fields, why in (
+            ({"event": "shop.order_placed"}, "no worker publishes an event 'shop.order_placed' as schedulable"),
+            ({"event": "", "actor": listener, "args": envelope}, f"{listener!r} is one of the kit's own task types"),
+            ({"event": "", "actor": "event:shop.order_placed"}, "'event:shop.order_placed' is one of the kit's own"),
+            ({"data": '{"customer": 7}'}, "event 'shop.digest_due' has no field(s) customer"),
+        ):
+            page = allowed.open("/scheduler/stored/add", {**form, **fields, "csrf": token, "confirmed": "yes"})
+            (flash,) = re.findall(r'<p class="flash bad" role="status">(.*?)</p>', page.body, re.S)
+            assert why in html.unescape(flash), (fields, flash)
+        assert not shop.client.hlen(f"{shop.namespace}:scheduler:dynamic")
+        stored = allowed.open("/scheduler/stored/add", {**form, "csrf": token, "confirmed": "yes"})
+        assert "entry digest.night stored: next fire" in stored.body
+        wait_for(lambda: "entry digest.night added" in log.read_text())
+    assert (
+        "schedule add by anonymous (dashboard, 127.0.0.1): entry digest.night added: 0 22 * * * (UTC), "
+        "event shop.digest_due on queue default, data {}, options {}" in log.read_text()
+    )
+    assert shop.client.hdel(f"{shop.namespace}:scheduler:dynamic", "digest.night")
+
+
+#: A page of another origin (another port of 127.0.0.1): it sets the dashboard's CSRF cookie (cookies are not
+#: isolated by port) and posts the form that token fits, as the review did.
+ATTACK = """<form id="f" method="post" action="{url}/scheduler/stored/add">
+<input name="csrf" value="forged"><input name="confirmed" value="yes"><input name="name" value="evil">
+<input name="spec" value="@every 2s"><input name="event" value="shop.digest_due"><input name="data" value="{{}}">
+</form>
+<script>document.cookie = "gp_csrf=forged; path=/"; document.getElementById("f").submit();</script>"""
+
+
+@contextlib.contextmanager
+def _attacker(page_html: str) -> Iterator[str]:
+    """A page served on another port of 127.0.0.1; yields its URL."""
+    body = page_html.encode()
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_page_on_another_port_cannot_post_to_the_dashboard_with_the_cookie_it_set(shop, page):
+    with dashboard(shop, "--store-entries") as (url, log), _attacker(ATTACK.format(url=url)) as evil:
+        with page.expect_response(lambda r: r.url.endswith("/scheduler/stored/add")) as posted:
+            page.goto(evil)
+        assert posted.value.status == 403
+        assert posted.value.text() == "refused: this request comes from a page of another origin"
+        wait_for(lambda: "sent by a page of another origin" in log.read_text())
+    assert not shop.client.hexists(f"{shop.namespace}:scheduler:dynamic", "evil")
+    (line,) = [line for line in log.read_text().splitlines() if "another origin" in line]
+    assert (
+        f"POST /scheduler/stored/add from 127.0.0.1 refused: sent by a page of another origin (Origin '{evil[:-1]}'"
+        in line
+    )

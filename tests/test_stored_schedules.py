@@ -27,6 +27,7 @@ from click.testing import CliRunner
 
 import dramatiq_gp as gp
 from devtools.scheduler_cluster import Cluster
+from dramatiq_gp import keys
 from dramatiq_gp.cli import main
 from dramatiq_gp.names import tick_message_id
 from dramatiq_gp.scheduler.dynamic import EventByName
@@ -256,6 +257,44 @@ def test_workers_run_stored_events_and_actors_paused_resumed_and_removed(run_wor
     assert not [r for r in recorded() if "event" in r][1:]  # one at most: the tick in flight as it was removed
 
 
+def test_the_workers_publish_what_is_schedulable_and_the_leader_fires_nothing_else(run_worker_app, rdb, namespace):
+    scheduler = keys.SchedulerKeys(namespace)
+    # Published by an older deploy that marked it; this code declares it unmarked: withdrawn at start.
+    rdb.hset(scheduler.schedulable, "actor:delete_account", '{"queue": "digests", "params": []}')
+    run_worker_app()
+    assert sorted(rdb.hkeys(scheduler.schedulable)) == ["actor:send_digest", "event:test.stored.digest"]
+    # Written into Redis as no check lets them be stored now (by an older dashboard, say): an actor the code
+    # does not mark, the listener itself on a hand-made envelope, and a marked actor sent to another queue.
+    envelope = {"id": "00000000-0000-0000-0000-000000000001", "event": "test.stored.digest", "data": {"customer": 9}}
+    raw = {
+        "evil": {"actor": "delete_account", "args": [4242], "queue": "digests"},
+        "forged": {"actor": "listener:test.stored.digest:record", "args": [envelope], "queue": "default"},
+        "elsewhere": {"actor": "send_digest", "args": [5], "queue": "default"},
+        "good": {"actor": "send_digest", "args": [1], "queue": "digests"},
+    }
+    now_ms = int(time.time() * 1000)
+    for name, target in raw.items():
+        record = {"trigger": "@every 1s", "zone": "UTC", "options": {}, "kwargs": {}, **target}
+        rdb.hset(scheduler.dynamic, name, json.dumps(record))
+        rdb.zadd(scheduler.due, {name: now_ms})
+        rdb.zadd(scheduler.names, {name: 0})
+    runs = f"{namespace}:test:runs"
+    wait_for(lambda: sum(json.loads(r).get("actor") == 1 for r in rdb.lrange(runs, 0, -1)) >= 3, timeout=20)
+    recorded = [json.loads(r) for r in rdb.lrange(runs, 0, -1)]
+    assert {json.dumps(r) for r in recorded} == {json.dumps({"actor": 1, "channel": "mail"})}, recorded
+    log = run_worker_app.log.read_text()
+    for name, why in (
+        ("evil", "actor 'delete_account' is not schedulable"),
+        ("forged", "'listener:test.stored.digest:record' is one of the kit's own task types"),
+        ("elsewhere", "goes to queue 'default', but actor 'send_digest' runs from 'digests'"),
+    ):
+        assert log.count(f"stored entry not fired: schedule entry '{name}': {why}") == 1, (name, log)
+    # And run now refuses them as the leader does: nothing is enqueued.
+    refused = CliRunner().invoke(main, ["schedule", "run", "evil"], env={"VALKEY_NAMESPACE": namespace})
+    assert refused.exit_code == 1 and "actor 'delete_account' is not schedulable" not in refused.output
+    assert "no worker publishes an actor 'delete_account' as schedulable" in refused.output
+
+
 @pytest.fixture
 def run_worker_app(tmp_path, clean_env, redis_url, namespace):
     root = Path(__file__).resolve().parent.parent
@@ -277,6 +316,7 @@ def run_worker_app(tmp_path, clean_env, redis_url, namespace):
             )
         wait_for(lambda: "leadership acquired" in log.read_text(), timeout=30)
 
+    run.log = tmp_path / "worker.log"  # type: ignore[attr-defined]
     yield run
     for process in processes:
         os.killpg(process.pid, signal.SIGTERM)

@@ -3,7 +3,8 @@
 Run as ``dramatiq tests.apps.stored_app`` with ``REDIS_URL``, ``VALKEY_NAMESPACE``
 and ``SCHEDULER_DYNAMIC=true``. Each run appends a JSON line to the Redis list
 ``<namespace>:test:runs``: the actor's ``{"actor": customer}``, the listener's
-``{"event": customer, "scheduled_at": ...}`` from the envelope.
+``{"event": customer, "scheduled_at": ...}`` from the envelope, the unmarked
+actor's ``{"deleted": account}``.
 """
 
 from __future__ import annotations
@@ -44,3 +45,9 @@ broker = kit.broker
 @dramatiq.actor(queue_name="digests")
 def send_digest(customer: int, *, channel: str = "mail") -> None:
     _record({"actor": customer, "channel": channel})
+
+
+# Not marked: no stored entry may run it, whatever is written into Redis.
+@dramatiq.actor(queue_name="digests")
+def delete_account(account: int) -> None:
+    _record({"deleted": account})
