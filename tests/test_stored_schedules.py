@@ -105,6 +105,56 @@ def test_an_entry_is_checked_before_it_is_stored_and_refused_with_one_line(sched
     assert stored.zone == "Europe/Budapest" and stored.next_fire.minute == 0
 
 
+def test_only_what_the_code_marks_schedulable_is_a_target_and_only_as_it_takes_it(make_kit, rdb, namespace):
+    kit = make_kit(lambda registry, _: registry.listen(Ping, lambda _: None, name="rec"), {"SCHEDULER_DYNAMIC": "true"})
+
+    @gp.schedulable
+    @dramatiq.actor(broker=kit.broker, actor_name="reindex", queue_name="search")
+    def reindex(index: str, *, full: bool = False) -> None: ...
+
+    @dramatiq.actor(broker=kit.broker, actor_name="delete_account")
+    def delete_account(account: int) -> None: ...
+
+    listener = next(a for a in kit.broker.actors.values() if a.actor_name.startswith("listener:"))
+    assert "one of the kit's own task types" in _error(lambda: gp.schedulable(listener))
+    assert "takes a Dramatiq actor or a class decorated" in _error(lambda: gp.schedulable(len))
+    add = kit.schedules.add
+    assert "actor 'delete_account' is not schedulable" in _error(lambda: add("e", "@daily", delete_account, args=[1]))
+    assert "is one of the kit's own task types" in _error(lambda: add("e", "@daily", listener.actor_name))
+    assert "got an unexpected keyword argument 'fast'" in _error(
+        lambda: add("e", "@daily", reindex, args=["a"], kwargs={"fast": 1})
+    )
+    assert "too many positional arguments" in _error(lambda: add("e", "@daily", reindex, args=["a", "b"]))
+    # Options that would run another actor, or send a message of the entry's making, when a run ends.
+    for option in ("on_failure", "on_success", "pipe_target"):
+        assert f"option(s) {option} cannot be stored" in _error(
+            lambda o=option: add("e", "@daily", reindex, **{o: "x"})
+        )
+    assert add("e", "@daily", reindex, args=["orders"], kwargs={"full": True}, max_retries=1) == "added"
+
+    # Where the code is not loaded, the same checks against what a worker published (its own runner, here).
+    kit.scheduler.start()
+    try:
+        bare = gp.Schedules(rdb, namespace, warn_leaderless=False)
+        assert "actor:reindex" in rdb.hkeys(f"{namespace}:scheduler:schedulable")
+        assert "got an unexpected keyword argument" in _error(
+            lambda: bare.add("f", "@daily", "reindex", args=["a"], kwargs={"x": 1})
+        )
+        assert "runs from queue 'search' only" in _error(
+            lambda: bare.add("f", "@daily", "reindex", args=["a"], queue="x")
+        )
+        assert "no worker publishes an actor 'delete_account'" in _error(
+            lambda: bare.add("f", "@daily", "delete_account")
+        )
+        bare.add("f", "@daily", "reindex", args=["users"])
+        assert bare.get("f").queue == "search"  # the actor's own queue, not "default"
+        assert "requires field(s) n" in _error(lambda: bare.add("g", "@daily", EventByName("test.stored.ping", {})))
+        bad = EventByName("test.stored.ping", {"n": 1, "card": "4111"})
+        assert "has no field(s) card (it has n)" in _error(lambda: bare.add("g", "@daily", bad))
+    finally:
+        kit.scheduler.stop()
+
+
 def test_a_code_entry_keeps_its_name(make_kit):
     kit = make_kit(lambda registry, schedule: schedule.job("nightly", "0 3 * * *", lambda: None))
     assert "defined in code" in _error(lambda: kit.schedules.add("nightly", "@hourly", Ping(1)))
