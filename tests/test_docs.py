@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 import dramatiq_gp as gp
 from dramatiq_gp import keys
-from helpers import own_database, wait_for
+from helpers import own_database, publish_schedulable, wait_for
 from servers import OwnRedis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,7 +227,8 @@ def test_the_cli_pages_operator_commands_run_against_real_servers_as_shown(tmp_p
         kit.scheduler.stop()
         kit.engine.dispose()
 
-    # Stored entries, with no leader running now (the page shows what that says).
+    # Stored entries, with no leader running now (the page shows what that says), for what a worker published.
+    publish_schedulable(kit.broker.client, kit.broker.namespace, actors={"cleanup": "default"}, events=("digest.due",))
     done, _ = _run_block(stored, tmp_path, shell_env)
     _succeeded(done)
     assert [_shape(line) for line in done[0].stdout.splitlines()] == [
