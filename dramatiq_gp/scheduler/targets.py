@@ -25,6 +25,7 @@ once.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import time
@@ -158,8 +159,10 @@ def is_schedulable(target: object) -> bool:
     return bool(getattr(target, _MARK, False))
 
 
+@functools.lru_cache(maxsize=4096)
 def of_actor(actor: Actor[Any, Any]) -> Target:
-    """What ``actor`` publishes: its queue and its function's parameters."""
+    """What ``actor`` publishes: its queue and its function's parameters (computed once: the leader asks at
+    every firing)."""
     try:
         signature = inspect.signature(actor.fn)
     except (TypeError, ValueError):  # a builtin without one: any call is left to the actor
@@ -171,8 +174,9 @@ def of_actor(actor: Actor[Any, Any]) -> Target:
     return Target("actor", actor.actor_name, actor.queue_name, params)
 
 
+@functools.lru_cache(maxsize=4096)
 def of_event(kind: EventType) -> Target:
-    """What an event type publishes: its fields, and those it requires, from its JSON schema."""
+    """What an event type publishes: its fields, and those it requires, from its JSON schema (computed once)."""
     try:
         schema = kind.adapter.json_schema()
         fields: tuple[str, ...] | None = tuple(schema.get("properties", ())) if schema["type"] == "object" else None
