@@ -42,6 +42,9 @@ class ErrorText(str):
         return text
 
 
+_TEXTS = (ErrorText, BaseException)
+
+
 def _without_message(value: Any) -> Any:
     if isinstance(value, ErrorText):
         return value.type_name
@@ -86,20 +89,26 @@ def stack_without_messages(exception: BaseException) -> str:
 
 
 def without_messages(record: logging.LogRecord) -> logging.LogRecord:
-    """``record``, or a copy whose arguments and ``extra`` fields show an exception (or :class:`ErrorText`) as its type.
+    """``record``, or a copy whose arguments and ``error`` field show an exception (or :class:`ErrorText`) as its type.
 
     The record itself is left alone: the other handlers write it whole. Its
     ``exc_info`` is kept, for the handler to format with :func:`stack_without_messages`.
+    The ``error`` field is the task log's (``extra``); other fields are not looked at:
+    this runs for every record sent, two per task.
     """
-    args, msg = record.args, record.msg
-    fields = [k for k, v in vars(record).items() if isinstance(v, ErrorText)]
-    changes_args = isinstance(args, tuple) and any(isinstance(a, ErrorText | BaseException) for a in args)
-    if not (fields or changes_args or isinstance(msg, BaseException)):
+    args, msg, error = record.args, record.msg, record.__dict__.get("error")
+    changes_args = False
+    if type(args) is tuple:
+        for arg in args:
+            if isinstance(arg, _TEXTS):
+                changes_args = True
+                break
+    if not (changes_args or isinstance(error, ErrorText) or isinstance(msg, BaseException)):
         return record
-    copy = logging.makeLogRecord(vars(record))
+    copy = logging.makeLogRecord(record.__dict__)
     if changes_args:
         copy.args = tuple(_without_message(a) for a in args)  # type: ignore[union-attr]
     copy.msg = _without_message(msg)
-    for name in fields:
-        setattr(copy, name, getattr(record, name).type_name)
+    if isinstance(error, ErrorText):
+        copy.error = error.type_name
     return copy
