@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "prometheus",
             "settings",
             "aio",
+            "errortext",
             "telemetry",
         ],
     ),

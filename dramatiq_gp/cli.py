@@ -1057,7 +1057,9 @@ def dashboard(host: str, port: int, read_only: bool, store_entries: bool) -> Non
     """Serve the web dashboard: queues, workers, the scheduler, the outbox, dead letters, recent failures.
 
     Off loopback it refuses to start without DASHBOARD_USER and DASHBOARD_PASSWORD,
-    or DASHBOARD_TOKEN. Needs the dashboard extra (pip install 'dramatiq-gp[dashboard]').
+    or DASHBOARD_TOKEN, or with a weak one (a password under 12 characters, a
+    placeholder such as CHANGE-ME). Needs the dashboard extra
+    (pip install 'dramatiq-gp[dashboard]').
 
     \b
     Example:
@@ -1078,6 +1080,12 @@ def dashboard(host: str, port: int, read_only: bool, store_entries: bool) -> Non
         _fail(
             f"--host {host} is not loopback: set DASHBOARD_USER and DASHBOARD_PASSWORD, or DASHBOARD_TOKEN, "
             "so that not everyone who can reach it can act on your queues"
+        )
+    weak = None if loopback(host) else settings.dashboard.weak()
+    if weak:
+        _fail(
+            f"--host {host} is not loopback and {weak}: use a random one, "
+            "e.g. python -c 'import secrets; print(secrets.token_urlsafe(24))'"
         )
     client = _redis(settings)
     hosts = settings.dashboard.hosts()

@@ -755,6 +755,35 @@ class SentrySettings(BaseSettings):
 
 #: The shortest ``DASHBOARD_TOKEN`` accepted: a bearer token is the whole secret, with no user name to guess too.
 MIN_TOKEN_LENGTH = 16
+#: The shortest ``DASHBOARD_PASSWORD`` the dashboard accepts off loopback.
+MIN_PASSWORD_LENGTH = 12
+#: Written where a secret is to go (this repository's manifests say CHANGE-ME): refused off loopback inside any secret.
+PLACEHOLDER_MARKS = ("changeme", "replaceme", "placeholder", "yourpassword", "yoursecret")
+#: Refused off loopback as a whole secret, in any case, with any punctuation and trailing digits (``Password-123``).
+PLACEHOLDER_WORDS = frozenset(
+    {"password", "passw0rd", "admin", "administrator", "secret", "default", "dashboard", "dramatiq", "dramatiqgp"}
+    | {"letmein", "qwerty", "welcome", "example", "test", "root", "ops", "guest", "token"}
+)
+
+
+def weak_secret(name: str, value: str, user: str | None = None) -> str | None:
+    """Why the dashboard's ``name`` (``DASHBOARD_PASSWORD``/``_TOKEN``) is too weak to listen off loopback, or None.
+
+    A guesser tries the placeholders first: the manifests' ``CHANGE-ME`` was
+    accepted, and so was a one-character password.
+    """
+    text = value.strip()
+    bare = re.sub(r"[^a-z0-9]", "", text.lower())
+    shortest = MIN_PASSWORD_LENGTH if name == "DASHBOARD_PASSWORD" else MIN_TOKEN_LENGTH
+    if any(mark in bare for mark in PLACEHOLDER_MARKS) or bare.rstrip("0123456789") in PLACEHOLDER_WORDS:
+        return f"{name} is a placeholder (CHANGE-ME, password, admin...)"
+    if len(text) < shortest:
+        return f"{name} is shorter than {shortest} characters"
+    if user is not None and text.lower() == user.strip().lower():
+        return f"{name} is the user name"
+    if len(set(text)) < 4:
+        return f"{name} has fewer than 4 distinct characters"
+    return None
 
 
 class DashboardSettings(BaseSettings):
@@ -792,6 +821,14 @@ class DashboardSettings(BaseSettings):
     @property
     def credentials(self) -> bool:
         return self.user is not None or self.token is not None
+
+    def weak(self) -> str | None:
+        """Why a secret is too weak for a dashboard off loopback (:func:`weak_secret`), or None."""
+        for name, secret in (("DASHBOARD_PASSWORD", self.password), ("DASHBOARD_TOKEN", self.token)):
+            problem = None if secret is None else weak_secret(name, secret.get_secret_value(), self.user)
+            if problem is not None:
+                return problem
+        return None
 
 
 G = TypeVar("G", bound=BaseSettings)

@@ -45,6 +45,7 @@ from opentelemetry import metrics, trace
 from pythonjsonlogger.json import JsonFormatter
 
 from .errors import ConfigError
+from .errortext import MAX_ERROR_CHARS, MAX_TRACEBACK_CHARS, capped, stack_without_messages, without_messages
 from .settings import LogSettings, Settings
 
 if TYPE_CHECKING:
@@ -119,22 +120,6 @@ class NoPayloads(logging.Filter):
                 )
                 break
         return True
-
-
-#: The most of an exception's text one log line carries (a task's ``error=`` field), and of a traceback.
-MAX_ERROR_CHARS, MAX_TRACEBACK_CHARS = 2_000, 20_000
-
-
-def capped(text: str, limit: int) -> str:
-    """``text``, or its head and tail around a note of how much was cut, when it is longer than ``limit``.
-
-    A 10 MB exception message made two 10 MB log lines; the whole text goes to
-    Sentry, when it is on, which keeps its own limits.
-    """
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]} [... {len(text) - 2 * half:,} characters cut ...] {text[-half:]}"
 
 
 class TextFormatter(logging.Formatter):
@@ -470,7 +455,10 @@ def otlp_log_handler(provider: LoggerProvider, *, send_default_pii: bool = False
     - an exception's message and stack trace are capped as the log lines' are
       (:data:`MAX_ERROR_CHARS`, :data:`MAX_TRACEBACK_CHARS`): one 10 MB message
       would make the batch too big to send, and lose the records around it;
-    - :class:`NoPayloads` keeps message arguments out, unless ``send_default_pii``;
+    - unless ``send_default_pii``, :class:`NoPayloads` keeps message arguments
+      out, and an exception is its type and frames, never its message
+      (:func:`~dramatiq_gp.errortext.without_messages`): in the body, the
+      ``error`` field, ``exception.stacktrace``; ``exception.message`` is left out;
     - the OpenTelemetry SDK's own records stay out: an export failure sent over
       the exporter that failed would feed itself, one record per failed batch.
     """
@@ -484,11 +472,18 @@ def otlp_log_handler(provider: LoggerProvider, *, send_default_pii: bool = False
             attributes = dict(LoggingHandler._get_attributes(record) or {})
             attributes.pop("trace_id", None)
             attributes.pop("span_id", None)
+            if not send_default_pii:
+                attributes.pop("exception.message", None)
+                if "exception.stacktrace" in attributes and record.exc_info and record.exc_info[1] is not None:
+                    attributes["exception.stacktrace"] = stack_without_messages(record.exc_info[1])
             for key, limit in (("exception.message", MAX_ERROR_CHARS), ("exception.stacktrace", MAX_TRACEBACK_CHARS)):
                 value = attributes.get(key)
                 if isinstance(value, str):
                     attributes[key] = capped(value, limit)
             return attributes
+
+        def emit(self, record: logging.LogRecord) -> None:
+            super().emit(record if send_default_pii else without_messages(record))
 
     with warnings.catch_warnings():
         # The SDK points to opentelemetry-instrumentation-logging's handler instead, one more

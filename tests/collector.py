@@ -29,6 +29,9 @@ class Span:
     links: list[tuple[str, str]]
     status: int
     events: list[str]
+    #: The status's description, and each event's attributes (an ``exception`` event's type, message, stack trace).
+    status_message: str = ""
+    event_attributes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def message_id(self) -> str | None:
@@ -127,6 +130,8 @@ def _span(span: Any) -> Span:
         links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
         status=span.status.code,
         events=[event.name for event in span.events],
+        status_message=span.status.message,
+        event_attributes=[{a.key: _value(a.value) for a in event.attributes} for event in span.events],
     )
 
 

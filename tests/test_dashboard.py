@@ -41,6 +41,7 @@ from dramatiq_gp.brokers.view import QueueView
 from dramatiq_gp.cli import main as cli_main
 from dramatiq_gp.dashboard import Credentials, create_app
 from dramatiq_gp.scheduler.dynamic import EventByName
+from dramatiq_gp.settings import weak_secret
 from helpers import (
     BAD_DEAD_LETTERS,
     BAD_SCHEDULER,
@@ -416,6 +417,8 @@ def test_mounted_in_an_application_it_keeps_the_mount_path_and_logs_the_applicat
 
 
 OFF_LOOPBACK = "--host 0.0.0.0 is not loopback: set DASHBOARD_USER and DASHBOARD_PASSWORD, or DASHBOARD_TOKEN"
+ALICE = {"DASHBOARD_USER": "alice"}
+NO_REDIS = {"REDIS_URL": "redis://127.0.0.1:1/0"}
 
 
 @pytest.mark.parametrize(
@@ -428,8 +431,25 @@ OFF_LOOPBACK = "--host 0.0.0.0 is not loopback: set DASHBOARD_USER and DASHBOARD
         (["--host", "0.0.0.0"], {"DASHBOARD_TOKEN": "s3cr3t-but-short"[:12]}, "DASHBOARD_TOKEN is shorter than 16"),
         ([], {"DASHBOARD_USER": "alice", "DASHBOARD_PASSWORD": ""}, "DASHBOARD_PASSWORD is set but empty"),
         ([], {"REDIS_URL": "redis://127.0.0.1:1/0"}, "Redis/Valkey unreachable at redis://127.0.0.1:1/0"),
+        # Off loopback a weak secret is refused before anything is reached (Redis here is not there).
+        (["--host", "0.0.0.0"], {**ALICE, "DASHBOARD_PASSWORD": "CHANGE-ME", **NO_REDIS}, "is a placeholder"),
+        (["--host", "0.0.0.0"], {**ALICE, "DASHBOARD_PASSWORD": "s3cr3t", **NO_REDIS}, "shorter than 12 characters"),
+        (["--host", "::"], {**ALICE, "DASHBOARD_PASSWORD": "Password-2024", **NO_REDIS}, "is a placeholder"),
+        (["--host", "0.0.0.0"], {"DASHBOARD_TOKEN": "CHANGE-ME-s3cr3t-token", **NO_REDIS}, "TOKEN is a placeholder"),
     ],
-    ids=["off-loopback", "half-credentials", "empty-token", "blank-token", "short-token", "empty-password", "no-redis"],
+    ids=[
+        "off-loopback",
+        "half-credentials",
+        "empty-token",
+        "blank-token",
+        "short-token",
+        "empty-password",
+        "no-redis",
+        "placeholder-password",
+        "short-password",
+        "placeholder-with-digits",
+        "placeholder-token",
+    ],
 )
 def test_the_dashboard_command_refuses_to_start_in_one_line(args, env, message, clean_env):
     run_env = {**os.environ, **env}
@@ -444,6 +464,25 @@ def test_the_dashboard_command_refuses_to_start_in_one_line(args, env, message, 
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert message in done.stderr
     assert "s3cr3t" not in done.stderr  # never the secret itself
+
+
+@pytest.mark.parametrize(
+    ("name", "secret", "problem"),
+    [
+        ("DASHBOARD_PASSWORD", "x", "shorter than 12 characters"),
+        ("DASHBOARD_PASSWORD", "  eleven-chr  ", "shorter than 12 characters"),
+        ("DASHBOARD_PASSWORD", "change_me_please", "a placeholder"),
+        ("DASHBOARD_PASSWORD", "ADMIN-123456789", "a placeholder"),
+        ("DASHBOARD_PASSWORD", "Alice.Example", "the user name"),
+        ("DASHBOARD_PASSWORD", "abababababababab", "fewer than 4 distinct characters"),
+        ("DASHBOARD_PASSWORD", "correct-horse-battery", None),
+        ("DASHBOARD_TOKEN", "your-secret-goes-here", "a placeholder"),
+        ("DASHBOARD_TOKEN", "q8CwF1pY0kzT3uVn_e5RmA", None),
+    ],
+)
+def test_which_secrets_are_too_weak_off_loopback(name, secret, problem):
+    found = weak_secret(name, secret, user="alice.example")
+    assert (found is None) if problem is None else (found is not None and problem in found and name in found)
 
 
 # -- docs/dashboard.md --------------------------------------------------------------------
@@ -464,12 +503,15 @@ def test_the_pages_mounting_example_serves_the_dashboard_under_its_path(clean_en
         scope["client"].close()
 
 
-def test_the_pages_refusal_is_what_the_command_prints(clean_env):
-    shown = re.search(r"^\$ (dramatiq-gp dashboard --host 0\.0\.0\.0)\n(Error: .*)$", DASHBOARD_PAGE.read_text(), re.M)
-    assert shown
+def test_the_pages_refusals_are_what_the_command_prints(clean_env):
+    shown = re.findall(
+        r"^\$ ((?:\w+=\S+ )*dramatiq-gp dashboard --host 0\.0\.0\.0)\n(Error: .*)$", DASHBOARD_PAGE.read_text(), re.M
+    )
+    assert len(shown) == 2  # no credentials; a placeholder password
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(shown[1], shell=True, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and done.stderr == shown[2] + "\n"
+    for command, error in shown:
+        done = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and done.stderr == error + "\n"
 
 
 # -- hardening ----------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from helpers import Browser, own_database, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = "shop.nightly_sales_report"
+#: Off loopback the dashboard refuses a short or placeholder password.
+PASSWORD = "s3cret-of-a-fair-length"
 SHOTS = os.environ.get("GP_SCREENSHOTS")
 
 
@@ -278,7 +280,7 @@ def test_off_loopback_it_needs_credentials_and_logs_who_acted(shop, browser):
     )
     assert refused.returncode == 1 and "is not loopback: set DASHBOARD_USER" in refused.stderr
 
-    credentials = {"DASHBOARD_USER": "alice", "DASHBOARD_PASSWORD": "s3cret"}
+    credentials = {"DASHBOARD_USER": "alice", "DASHBOARD_PASSWORD": PASSWORD}
     with dashboard(shop, "--host", "0.0.0.0", env=credentials) as (url, log):
         anonymous = browser.new_context()
         try:
@@ -288,7 +290,7 @@ def test_off_loopback_it_needs_credentials_and_logs_who_acted(shop, browser):
             assert refused.status == 401
         finally:
             anonymous.close()
-        alice = browser.new_context(http_credentials={"username": "alice", "password": "s3cret"})
+        alice = browser.new_context(http_credentials={"username": "alice", "password": PASSWORD})
         try:
             page = alice.new_page()
             assert page.goto(f"{url}/scheduler").status == 200

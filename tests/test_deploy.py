@@ -11,14 +11,17 @@ the dashboard name must be one the exporter serves or the worker processes expor
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -27,7 +30,7 @@ import yaml
 import dramatiq_gp as gp
 from dramatiq_gp.durations import parse_duration
 from dramatiq_gp.prometheus import prometheus_name
-from dramatiq_gp.settings import WorkerSettings
+from dramatiq_gp.settings import WorkerSettings, weak_secret
 from helpers import KIT_PREFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,12 +129,17 @@ def _container(deployment: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
-def _environment(container: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as Kubernetes builds it: envFrom first, then env over it."""
+def _environment(container: dict[str, Any], created: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
+    """The container's environment as Kubernetes builds it: envFrom first, then env over it.
+
+    ``created``: the Secrets the user creates (not shipped), by name.
+    """
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         if "configMapRef" in source:
             env.update(_named("ConfigMap", source["configMapRef"]["name"])["data"])
+        elif source["secretRef"]["name"] in (created or {}):
+            env.update((created or {})[source["secretRef"]["name"]])
         else:
             env.update(_named("Secret", source["secretRef"]["name"])["stringData"])
     env.update({item["name"]: item["value"] for item in container.get("env", [])})
@@ -142,11 +150,11 @@ def _environment(container: dict[str, Any]) -> dict[str, str]:
 def manifest_env(monkeypatch):
     """Sets a container's environment, and only it, as the kit's settings read it."""
 
-    def apply(container: dict[str, Any]) -> dict[str, str]:
+    def apply(container: dict[str, Any], created: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
         for name in list(os.environ):
             if name.startswith(KIT_PREFIXES):
                 monkeypatch.delenv(name)
-        env = _environment(container)
+        env = _environment(container, created)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         return env
@@ -219,15 +227,134 @@ def test_the_exporter_runs_once_and_every_component_reads_the_same_settings():
     assert all(s in migrate["envFrom"] for s in shared)
 
 
-def test_the_dashboard_gets_its_credentials_from_a_secret(manifest_env):
+#: The command docs/production.md and secret.yaml give to create the dashboard's Secret, continued lines and all.
+CREATE_DASHBOARD_SECRET = re.compile(r"kubectl create secret generic dramatiq-gp-dashboard(?:[^\n]*\\\n)+[^\n]*")
+
+
+def _created_secret(command: str) -> dict[str, str]:
+    """The Secret ``command`` creates: each ``--from-literal``, a ``$(...)`` run as the shell would."""
+    data = {}
+    for name, value in re.findall(r"--from-literal=(\w+)=(\"\$\(.*?\)\"|\S+)", command.replace("#", "")):
+        if value.startswith('"$('):
+            inner = value[3:-2].replace("python3 ", f"{sys.executable} ", 1)
+            value = subprocess.run(inner, shell=True, check=True, capture_output=True, text=True).stdout.strip()
+        data[name] = value
+    return data
+
+
+def test_the_dashboard_secret_is_created_by_the_user_with_a_password_the_dashboard_accepts(manifest_env):
+    # secret.yaml once shipped DASHBOARD_PASSWORD: CHANGE-ME, which the dashboard accepted off loopback.
     container = _container(_named("Deployment", "dramatiq-gp-dashboard"))
-    env = manifest_env(container)
     assert {"secretRef": {"name": "dramatiq-gp-dashboard"}} in container["envFrom"]
-    assert "DASHBOARD_PASSWORD" not in _environment(_container(_named("Deployment", "dramatiq-gp-worker")))
-    # Off loopback the dashboard refuses to start without credentials: these are complete.
-    assert container["command"][container["command"].index("--host") + 1] == "0.0.0.0"
-    assert gp.Settings.from_env().dashboard.credentials
-    assert not any(name.startswith("DASHBOARD_") and not value.strip() for name, value in env.items())
+    assert not [
+        doc for _, doc in _objects() if doc["kind"] == "Secret" and doc["metadata"]["name"].endswith("dashboard")
+    ]
+    assert container["command"][container["command"].index("--host") + 1] == "0.0.0.0"  # off loopback
+    commands = [
+        c
+        for page in (PRODUCTION, KUBERNETES / "secret.yaml")
+        for c in CREATE_DASHBOARD_SECRET.findall(page.read_text())
+    ]
+    assert len(commands) == 3  # the page's first steps, its dashboard part, and the manifest's comment
+    for command in commands:
+        created = _created_secret(command)
+        assert set(created) == {"DASHBOARD_USER", "DASHBOARD_PASSWORD"}, command
+        manifest_env(container, {"dramatiq-gp-dashboard": created})
+        dashboard = gp.Settings.from_env().dashboard
+        assert dashboard.credentials and dashboard.weak() is None, command
+    worker = _environment(_container(_named("Deployment", "dramatiq-gp-worker")))
+    assert not any(name.startswith("DASHBOARD_") for name in worker)
+
+
+def test_no_secret_ships_a_usable_password():
+    secrets = [(file, doc) for file, doc in _objects() if doc["kind"] == "Secret"]
+    assert secrets
+    for file, doc in secrets:
+        values = {**doc.get("stringData", {})}
+        values.update({k: base64.b64decode(v).decode() for k, v in doc.get("data", {}).items()})
+        assert not [name for name in values if name.startswith("DASHBOARD_")], file
+        for name, value in values.items():
+            found = [urlsplit(url).password for url in re.split(r"[;,]", value) if "://" in url]
+            if re.search("PASSWORD|TOKEN|SECRET", name):
+                found.append(value)
+            # Each a placeholder the dashboard would refuse: what cannot be mistaken for a real one.
+            for secret in filter(None, found):
+                assert "placeholder" in (weak_secret("DASHBOARD_PASSWORD", secret) or ""), (file, name)
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (``matchLabels`` and ``matchExpressions``) selects ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for term in selector.get("matchExpressions", []):
+        key, values, present = term["key"], term.get("values", []), term["key"] in labels
+        if not {
+            "In": present and labels.get(key) in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[term["operator"]]:
+            return False
+    return True
+
+
+def _pod_templates() -> list[tuple[str, dict[str, Any]]]:
+    """Every pod template of the shipped manifests (KEDA's objects have none), by file and name."""
+    found = []
+    for file, doc in _objects():
+        spec = doc.get("spec", {})
+        template = spec.get("template") or spec.get("jobTemplate", {}).get("spec", {}).get("template")
+        if template:
+            found.append((f"{file}:{doc['kind']}/{doc['metadata']['name']}", template))
+    # Every object with containers is among them.
+    assert len(found) == len([1 for _, doc in _objects() if "containers" in json.dumps(doc)])
+    return found
+
+
+#: The ports each component's pods open, and to whom (the health port: only the kubelet, which is always let in).
+OPENED = {
+    "worker": {"metrics": "prometheus"},
+    "exporter": {"metrics": "prometheus"},
+    "dashboard": {"http": "ingress-nginx"},
+    "migrate": {},
+}
+
+
+def test_a_network_policy_covers_every_port_the_pods_expose():
+    policies = [doc for _, doc in _objects() if doc["kind"] == "NetworkPolicy"]
+    assert policies
+    for name, template in _pod_templates():
+        labels = template["metadata"]["labels"]
+        ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        applying = [p["spec"] for p in policies if _selects(p["spec"]["podSelector"], labels)]
+        # Selected by an Ingress policy: a connection no rule allows is refused.
+        assert any("Ingress" in spec["policyTypes"] for spec in applying), name
+        opened: dict[str, str] = {}
+        for rule in [rule for spec in applying for rule in spec.get("ingress", [])]:
+            # Never from anywhere, never every port: each source a pod selector in a namespace.
+            assert rule.get("from") and rule.get("ports"), name
+            for peer in rule["from"]:
+                assert set(peer) == {"namespaceSelector", "podSelector"}, name
+                assert peer["namespaceSelector"]["matchLabels"] and peer["podSelector"]["matchLabels"], name
+            for port in rule["ports"]:
+                (port_name,) = [n for n, number in ports.items() if port["port"] in (n, number)]
+                for peer in rule["from"]:
+                    opened[port_name] = peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+        assert opened == OPENED[labels["app.kubernetes.io/component"]], name
+        # Closed to all but the node: the health port, which the kubelet's probes ask.
+        closed = set(ports) - set(opened)
+        assert closed <= {"health"}, name
+        probes = [c.get(p, {}) for c in template["spec"]["containers"] for p in ("livenessProbe", "readinessProbe")]
+        probed = {probe["httpGet"]["port"] for probe in probes if "httpGet" in probe}
+        assert {ports[port] for port in closed} <= {ports.get(port, port) for port in probed}, name
+
+
+def test_no_pod_gets_a_kubernetes_api_token():
+    (account,) = [doc for _, doc in _objects() if doc["kind"] == "ServiceAccount"]
+    assert account["automountServiceAccountToken"] is False
+    for name, template in _pod_templates():
+        assert template["spec"]["automountServiceAccountToken"] is False, name
+        assert template["spec"]["serviceAccountName"] == account["metadata"]["name"], name
 
 
 KEDA = [(file, doc) for file, doc in _objects() if _is_keda(doc)]

@@ -77,7 +77,7 @@ def test_a_failing_task_sends_its_error_records_with_their_trace_id(run_worker, 
     for failure in failures:
         assert failure.severity == "ERROR"
         assert spans[failure.span_id].trace_id == failure.trace_id != ""
-        assert failure.attributes["error"] == "ValueError: always fails: boom"
+        assert failure.attributes["error"] == "ValueError"  # not its message: PII sending is off
         assert failure.attributes["exception.type"] == "ValueError"
         assert "raise ValueError" in failure.attributes["exception.stacktrace"]
     assert [f.attributes["will_retry"] for f in failures].count(False) == 1
@@ -145,10 +145,13 @@ def test_the_sdks_own_lines_stay_out_of_the_otlp_logs(run_worker, collector, pro
 
 
 EMAIL = "grace.hopper@example.com"
+CARD = "4111 1111 1111 1111"
 
 
 @pytest.mark.parametrize("pii", [False, True], ids=["pii-off", "pii-on"])
-def test_message_arguments_go_over_otlp_only_when_pii_sending_is_on(run_worker, collector, engine, database_url, pii):
+def test_message_arguments_and_exception_messages_go_over_otlp_only_when_pii_sending_is_on(
+    run_worker, collector, engine, database_url, producer, pii
+):
     worker = run_worker(
         {
             "LOG_EXPORTER": "otlp",
@@ -161,8 +164,13 @@ def test_message_arguments_go_over_otlp_only_when_pii_sending_is_on(run_worker, 
     )
     with engine.begin() as conn:
         gp.dispatch(conn, SignedUp(EMAIL))
+    message_id = send(producer, "declined", CARD)
     wait_for(
-        lambda: "task_type=listener:test.telemetry.signed_up:welcome" in worker.log and "will_retry=False" in worker.log
+        lambda: (
+            "task_type=listener:test.telemetry.signed_up:welcome" in worker.log
+            and f"task failed task_type=declined task_id={message_id}" in worker.log
+            and worker.log.count("will_retry=False") == 2
+        )
     )
     assert worker.stop() == 0
 
@@ -170,6 +178,28 @@ def test_message_arguments_go_over_otlp_only_when_pii_sending_is_on(run_worker, 
     assert received  # Dramatiq's DEBUG line went over OTLP
     everything = json.dumps([(log.body, log.attributes) for log in collector.logs], default=str)
     assert (EMAIL in everything) is pii
+    # An exception's message once went 4 times in one record (body, error, exception.message and .stacktrace).
+    assert (CARD in everything) is pii
+    # And twice in the task's span (its exception event, its status).
+    (span,) = [s for s in collector.spans_named("process declined") if s.message_id == message_id]
+    assert (CARD in json.dumps([span.status_message, span.event_attributes])) is pii
+    assert span.event_attributes[0]["exception.type"] == "ValueError"
+    assert CARD in worker.log  # the lines written here keep it
+    (failed,) = collector.logs_starting(f"task failed task_type=declined task_id={message_id}")
+    (skipped,) = collector.logs_starting("charge skipped")
+    stack = failed.attributes["exception.stacktrace"]
+    assert failed.attributes["exception.type"] == "ValueError"
+    assert "The above exception was the direct cause" in stack and 'raise LookupError(f"no customer' in stack
+    if pii:
+        assert failed.attributes["error"] == f"ValueError: card {CARD} declined"
+        assert failed.attributes["exception.message"] == f"card {CARD} declined"
+        assert skipped.body == f"charge skipped: no customer for card {CARD}"
+    else:
+        # The type and the frames, as Sentry's rule: not the message.
+        assert failed.body.endswith(" error=ValueError") and failed.attributes["error"] == "ValueError"
+        assert "exception.message" not in failed.attributes
+        assert stack.rstrip().endswith("\nValueError") and "\nLookupError\n" in stack
+        assert skipped.body == "charge skipped: LookupError"
 
 
 @pytest.mark.parametrize(

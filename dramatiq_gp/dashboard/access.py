@@ -17,8 +17,10 @@
   listens on and ``localhost``), a request naming another ``Host`` gets 400: a
   page whose name an attacker rebinds to 127.0.0.1 cannot reach it.
 * **Headers.** Every response forbids framing, caching and content sniffing,
-  and sends no referrer off the site; failed logins are slowed down and logged,
-  once per client per minute.
+  and sends no referrer off the site.
+* **Guessing.** Wrong credentials are slowed down, limited per client and
+  overall (:mod:`~dramatiq_gp.dashboard.logins`: past the limit, 429 unchecked)
+  and logged, once per client per minute.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import base64
 import hmac
 import ipaddress
 import logging
+import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -39,6 +42,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..settings import MIN_TOKEN_LENGTH
+from .logins import LoginLimits, LoginThrottle, client_key
 
 logger = logging.getLogger("dramatiq_gp.dashboard")
 
@@ -102,9 +106,9 @@ class Credentials:
         return None
 
 
-#: How long a wrong password or token waits for its 401: a guesser gets a few tries a second, not thousands.
+#: How long a wrong password or token waits for its 401: a sequential guesser gets two tries a second.
 FAILED_LOGIN_DELAY_S = 0.5
-#: Failed logins are logged once per client per this many seconds, with how many there were.
+#: Failed and refused logins are logged once per client (refused: once overall) per this many seconds, with counts.
 FAILED_LOGIN_LOG_S = 60.0
 
 
@@ -112,14 +116,20 @@ class RequireCredentials:
     """ASGI middleware: a request without the credentials gets 401 and goes no further.
 
     A request whose credentials are wrong (not merely missing: a browser's first
-    request carries none) waits :data:`FAILED_LOGIN_DELAY_S` for its 401, and is
-    counted: one warning per client address per :data:`FAILED_LOGIN_LOG_S`.
+    request carries none) waits :data:`FAILED_LOGIN_DELAY_S` for its 401, and
+    takes a token from its client's bucket and the overall one
+    (:class:`~dramatiq_gp.dashboard.logins.LoginThrottle`): while either is
+    empty, a request with credentials gets 429 and a ``Retry-After`` at once,
+    unchecked. A right one is never slowed. Failures are logged once per client
+    address per :data:`FAILED_LOGIN_LOG_S`, refusals once per that for all.
     """
 
-    def __init__(self, app: ASGIApp, credentials: Credentials) -> None:
+    def __init__(self, app: ASGIApp, credentials: Credentials, limits: LoginLimits | None = None) -> None:
         self.app = app
         self.credentials = credentials
+        self.throttle = LoginThrottle(limits)
         self._failures: dict[str, tuple[float, int]] = {}  # client -> (logged at, failed since)
+        self._refused: tuple[float, int] = (-FAILED_LOGIN_LOG_S, 0)  # (logged at, refused since)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -127,19 +137,30 @@ class RequireCredentials:
             return
         if self.credentials.required:
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            client = client_key(scope["client"][0]) if scope.get("client") else "unknown"
+            # Nothing awaits from the bucket's look to its token taken: parallel guesses cannot all pass the look.
+            wait_s, limit = self.throttle.wait_s(client) if authorization else (0.0, "")
+            if wait_s:
+                self._refuse(client, limit)
+                retry = str(max(1, math.ceil(wait_s)))
+                response = PlainTextResponse(f"too many failed logins: try again in {retry}s", 429)
+                response.headers["Retry-After"] = retry
+                await response(scope, receive, send)
+                return
             found = self.credentials.check(authorization)
             if found is None:
                 if authorization:
-                    self._failed(scope)
+                    self.throttle.failed(client)
+                    self._failed(client)
                     await asyncio.sleep(FAILED_LOGIN_DELAY_S)
                 challenge = {"WWW-Authenticate": 'Basic realm="dramatiq-gp"'} if self.credentials.user else {}
                 await PlainTextResponse("credentials required", 401, headers=challenge)(scope, receive, send)
                 return
+            self.throttle.succeeded(client)
             scope[WHO] = found
         await self.app(scope, receive, send)
 
-    def _failed(self, scope: Scope) -> None:
-        client = scope["client"][0] if scope.get("client") else "unknown"
+    def _failed(self, client: str) -> None:
         now = time.monotonic()
         logged_at, count = self._failures.get(client, (now - FAILED_LOGIN_LOG_S, 0))
         count += 1
@@ -149,6 +170,22 @@ class RequireCredentials:
         self._failures[client] = (logged_at, count)
         if len(self._failures) > 10_000:  # many clients: forget the quiet ones rather than grow for ever
             self._failures = {c: v for c, v in self._failures.items() if now - v[0] < FAILED_LOGIN_LOG_S}
+
+    def _refuse(self, client: str, limit: str) -> None:
+        now = time.monotonic()
+        logged_at, count = self._refused
+        count += 1
+        if now - logged_at >= FAILED_LOGIN_LOG_S:
+            logger.warning(
+                "dashboard: %d login(s) refused unchecked in the last %ds: too many failed logins "
+                "(the last from %s, over the %s limit)",
+                count,
+                FAILED_LOGIN_LOG_S,
+                client,
+                limit,
+            )
+            logged_at, count = now, 0
+        self._refused = (logged_at, count)
 
 
 class AllowedHosts:

@@ -142,7 +142,11 @@ def default_middleware(
         # job may be registered after the broker is built, and an idle loop costs one thread.
         AsyncIO(),
         lifecycle,
-        *([Tracing(telemetry.tracer_provider)] if telemetry.tracing else []),
+        *(
+            [Tracing(telemetry.tracer_provider, send_default_pii=settings.sentry.send_default_pii)]
+            if telemetry.tracing
+            else []
+        ),
         *_sentry(settings, telemetry, schedule),
         *([Metrics()] if telemetry.metrics else []),
         *([QueueWeights(worker.queues, strict=worker.strict_priority)] if worker.queues else []),

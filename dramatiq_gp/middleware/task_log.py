@@ -35,7 +35,7 @@ from dramatiq.errors import BrokerConnectionError
 from dramatiq.rate_limits import RateLimitExceeded
 
 from ..errors import PayloadMismatch
-from ..telemetry import MAX_ERROR_CHARS, capped
+from ..errortext import ErrorText
 from .lifecycle import PUT_BACK_ATTR
 from .retries import expected_failure
 
@@ -223,7 +223,8 @@ class TaskLog(Middleware):
         # Retries has already decided by now (its after-hook runs before ours) and
         # fails the message when the budget is spent.
         fields["will_retry"] = will_retry = not message.failed
-        fields["error"] = error = capped(f"{type(exception).__name__}: {exception}", MAX_ERROR_CHARS)
+        # Its type alone over OTLP unless PII is sent: the message may be anyone's data (errortext.without_messages).
+        fields["error"] = error = ErrorText(exception)
         if isinstance(exception, Retry):
             self.logger.info(
                 "task retry requested task_type=%s task_id=%s attempt=%d will_retry=%s",

@@ -64,6 +64,7 @@ from opentelemetry.sdk.trace.sampling import (
 )
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
+from ..errortext import stack_without_messages
 from ..tracecontext import DELIVERY, ORIGIN
 
 _STATE = "_gp_span"
@@ -113,6 +114,24 @@ def error_type(exc: BaseException) -> str:
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
+def record_error(span: trace.Span, exception: BaseException, *, send_default_pii: bool) -> None:
+    """``span.record_exception``, ``error.type`` and an ERROR status; without the message unless ``send_default_pii``.
+
+    The message may be anyone's data: without PII sending, the ``exception``
+    event has its type and frames (:func:`~dramatiq_gp.errortext.stack_without_messages`)
+    and the status the type alone, as the OTLP log records do.
+    """
+    span.set_attribute("error.type", error_type(exception))
+    if send_default_pii:
+        span.record_exception(exception)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {exception}"))
+        return
+    stack = stack_without_messages(exception)
+    attributes = {"exception.type": error_type(exception), "exception.stacktrace": stack, "exception.escaped": "False"}
+    span.add_event("exception", attributes)
+    span.set_status(Status(StatusCode.ERROR, type(exception).__name__))
+
+
 class Tracing(Middleware):
     """Producer and consumer spans, with the trace context carried in message options.
 
@@ -123,10 +142,12 @@ class Tracing(Middleware):
 
     Parameters:
         tracer_provider: where the spans go; ``None`` means the global provider.
+        send_default_pii: a failure's exception message goes with its span (:func:`record_error`).
     """
 
-    def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None, *, send_default_pii: bool = False) -> None:
         self.tracer = trace.get_tracer("dramatiq_gp", tracer_provider=tracer_provider)
+        self.send_default_pii = send_default_pii
         # The tracer spans come from (the global provider's, once there is one), its span processors,
         # and whether neither its sampler nor they read a span's attributes when it starts.
         self._resolved: tuple[trace.Tracer | None, object, bool] = (None, None, False)
@@ -223,9 +244,7 @@ class Tracing(Middleware):
         if span is None:
             return
         if error is not None:
-            span.record_exception(error)
-            span.set_attribute("error.type", error_type(error))
-            span.set_status(Status(StatusCode.ERROR, str(error)))
+            record_error(span, error, send_default_pii=self.send_default_pii)
         else:
             span.set_attribute("dramatiq_gp.sent", False)
         span.end()
@@ -276,9 +295,7 @@ class Tracing(Middleware):
                 if isinstance(exception, Retry):
                     span.add_event("retry requested")
                 else:
-                    span.record_exception(exception)
-                    span.set_attribute("error.type", error_type(exception))
-                    span.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {exception}"))
+                    record_error(span, exception, send_default_pii=self.send_default_pii)
             span.end()
         finally:
             context.detach(token)

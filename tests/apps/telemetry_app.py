@@ -93,3 +93,13 @@ class Expected(Exception):
 @dramatiq.actor(broker=broker, queue_name="default", throws=Expected)
 def expected(tag: str) -> None:
     raise Expected(f"expected: {tag}")
+
+
+@dramatiq.actor(broker=broker, queue_name="default", max_retries=0)
+def declined(card: str) -> None:
+    """Exception text with a card number in it: logged as an argument, and raised with its cause."""
+    try:
+        raise LookupError(f"no customer for card {card}")
+    except LookupError as exc:
+        logger.warning("charge skipped: %s", exc)
+        raise ValueError(f"card {card} declined") from exc
