@@ -38,7 +38,7 @@ def test_every_method_returns_the_schedule_and_names_default_sensibly():
         gp.Schedule("Europe/Budapest")
         .every(timedelta(minutes=15), SyncInventory())
         .daily_at("06:30", DigestDue(), queue="mail")
-        .cron("0 8 * * mon", DigestDue(5), name="monday_digest", tz="America/New_York", max_retries=3)
+        .cron("0 8 * * mon", DigestDue(5), name="monday_digest", tz="America/New_York", max_retries=3, queue="mail")
         .job("shop.nightly_sales_report", "0 3 * * *", report, time_limit=60_000)
     )
     entries = {entry.name: entry for entry in schedule}
