@@ -48,7 +48,8 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   message through it, and says what a ``kill -9`` at each step does.
 * A consumer takes every message pika already holds when one arrives, and hands
   them to the middleware's ``after_fetch`` together (one round trip for their
-  idempotency claims).
+  idempotency claims). One whose actor is declared on another queue is
+  dead-lettered with the reason: a worker runs a message only from its actor's queue.
 * **Sending to a queue is not consuming it.** Dramatiq declares the queue of every
   message it sends, and its worker starts a consumer for every queue declared, so a
   worker that fans an event out to a listener only another worker has (on a queue of

@@ -24,12 +24,15 @@ tools see the same queues. On top of it:
   period (a newer worker may know it), then skipped with one warning: it goes to
   the dead-letter set with the reason in its options (``dead_letter.lua``), and is
   counted per task type for ``dramatiq-gp status``. :meth:`RedisBroker.join` does
-  not wait for held messages (``unsettled.lua``).
+  not wait for held messages (``unsettled.lua``). A message whose actor is
+  declared on another queue is dead-lettered at once, the same way: a worker runs a
+  message only from its actor's queue.
 * A fetch (``fetch.lua``) returns each message with the Redis id it is stored
   under. A fetched message that cannot be decoded, or is decodable but malformed
   (fields or options of the wrong type, a ``redis_message_id`` or ``queue_name``
   that is not where it is stored), goes to the dead-letter set as it came
-  (``set_aside.lua``) with one error line; the rest of its batch runs as usual.
+  (``set_aside.lua``) with one error line, the reason kept beside it; the rest of
+  its batch runs as usual.
 * Left at Dramatiq's default (``dramatiq_queue_prefetch`` unset, and no
   ``WORKER_QUEUES``, whose weights size each queue's prefetch), a consumer's
   prefetch follows its throughput: from Dramatiq's twice the threads up to

@@ -8,9 +8,12 @@ have: :func:`dramatiq_gp.brokers.kinds.view_for` picks it once, from the setting
 
 A dead letter is shown with its message id, task type, failed attempts, when it
 died (where the broker keeps that) and why: the reason the kit gave it
-(``gp_dead_letter_reason``: an unknown task type, a malformed message) or the
-exception its last attempt raised (the broker keeps it as that attempt left it,
-with Dramatiq's traceback). Its arguments may hold personal data, so they are shown
+(``gp_dead_letter_reason`` in its options: an unknown task type, a message on
+another actor's queue, an exception its actor throws...; beside it for a message
+set aside as it came, which may have no options) or the exception its last attempt
+raised (the broker keeps it as that attempt left it, with Dramatiq's traceback).
+Every action names a queue by its own name: :func:`dead_letters_of` refuses a
+queue's ``.DQ`` and ``.XQ``. Its arguments may hold personal data, so they are shown
 only when asked for with ``pii=True`` (``SENTRY_SEND_DEFAULT_PII``, the rule Sentry
 follows), and ``[Filtered]`` otherwise.
 

@@ -265,15 +265,7 @@ class Runner:
         broker, idempotent = self.broker, idempotent_option(self.broker)
         for entry in self.schedule:
             broker.declare_queue(entry.queue)
-            declared = broker.actors.get(entry.actor_name)
-            if declared is not None:
-                if declared.queue_name != entry.queue:
-                    # A worker runs a message only from its actor's queue: every tick would be refused.
-                    raise ScheduleError(
-                        f"schedule entry {entry.name!r} sends task {entry.actor_name!r} on queue {entry.queue!r}, "
-                        f"but that task is declared on queue {declared.queue_name!r}: give the entry queue="
-                        f"{declared.queue_name!r}"
-                    )
+            if entry.actor_name in broker.actors:
                 continue
             if entry.handler is not None:
                 if is_async(entry.handler):
