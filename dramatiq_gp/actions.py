@@ -25,6 +25,7 @@ from .brokers.base import KitBroker
 from .brokers.view import QueueView
 from .scheduler import manual
 from .scheduler.dynamic import Schedules, StoredEntry
+from .telemetry import printable
 
 #: Events sent per round trip by :func:`backfill_listener`.
 BACKFILL_BATCH = 500
@@ -34,13 +35,8 @@ logger = logging.getLogger("dramatiq_gp.actions")
 
 def _done(action: str, who: str, outcome: str) -> str:
     # Escaped: a newline in a name given by a request would otherwise write a line of its own.
-    logger.info("%s by %s: %s", action, _escaped(who), _escaped(outcome))
+    logger.info("%s by %s: %s", action, printable(who), printable(outcome))
     return outcome
-
-
-def _escaped(text: str) -> str:
-    """``text`` with control characters written as escapes (``\\n``, ``\\x1b``)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def requeue_dead_letters(queues: QueueView, queue: str, ids: Sequence[str] | None, *, who: str) -> int:

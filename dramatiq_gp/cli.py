@@ -28,7 +28,7 @@ from dramatiq.errors import BrokerError
 
 from . import keys
 from .durations import format_duration
-from .errors import ConfigError
+from .errors import ConfigError, NotAQueue
 from .records import text
 from .scheduler.cron import CronError, parse
 from .settings import Settings
@@ -378,6 +378,8 @@ def _queues(settings: Settings, client: redis.Redis | None = None) -> Iterator[Q
         yield view
     except view.unreachable as exc:
         raise click.ClickException(f"{view.server} unreachable at {view.where()}: {exc!r}") from None
+    except NotAQueue as exc:  # refused before anything was read or changed
+        raise click.ClickException(str(exc)) from None
 
 
 @main.group()
@@ -402,10 +404,12 @@ def dlq_list(queue: str | None, offset: int, limit: int, as_json: bool) -> None:
     Example:
       dramatiq-gp dlq list default --limit 20
     """
+    from .brokers.view import is_queue_name
+
     settings = _settings()
     with _queues(settings) as view:
         every = view.counts(view.names(thorough=True)) if queue is None else []
-        queues = [queue] if queue is not None else [q["name"] for q in every if q["dead"]]
+        queues = [queue] if queue is not None else [q["name"] for q in every if q["dead"] and is_queue_name(q["name"])]
         if queue is None and not queues and not as_json:
             click.echo("no dead letters in any queue")
         for name in queues:

@@ -64,6 +64,10 @@ class RegistrationError(GPError, ValueError):
     """A listener was registered with a bad name, handler or option."""
 
 
+class NotAQueue(GPError, ValueError):
+    """An operator's action named something that is not a queue: a bad name, or a queue's ``.DQ`` or ``.XQ``."""
+
+
 class QuorumLost(GPError, ConnectionClosed):
     """A send to a RabbitMQ queue failed because the queue has likely lost its quorum.
 

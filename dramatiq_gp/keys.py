@@ -5,6 +5,7 @@ Dramatiq's own layout (its ``brokers/redis/dispatch.lua``), under a namespace:
 * ``<ns>:<queue>``: the ids ready to fetch (a list), ``<ns>:<queue>.msgs``: id → message (a hash);
 * ``<ns>:<queue>.DQ`` / ``.DQ.msgs``: the delay queue, the same way;
 * ``<ns>:<queue>.XQ`` / ``.XQ.msgs``: the dead letters (a sorted set scored by the time, and a hash);
+  beside them the kit's ``<ns>:<queue>.XQ.why``: why each it set aside as it came was (Redis id → reason);
 * ``<ns>:__acks__.<broker id>.<queue>``: what one worker process fetched and has not settled;
 * ``<ns>:__heartbeats__``: the worker processes' last beats (a sorted set).
 
@@ -58,6 +59,12 @@ def dead(namespace: str, queue_name: str) -> str:
 
 def dead_messages(namespace: str, queue_name: str) -> str:
     return f"{dead(namespace, queue_name)}{MESSAGES}"
+
+
+def dead_reasons(namespace: str, queue_name: str) -> str:
+    """Why each message the consumer set aside as it came (malformed: no options to write it in) was,
+    by Redis id; it expires with the last of them."""
+    return f"{dead(namespace, queue_name)}.why"
 
 
 def acks(namespace: str, broker_id: str, queue_name: str) -> str:

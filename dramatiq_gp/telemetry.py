@@ -122,6 +122,13 @@ class NoPayloads(logging.Filter):
         return True
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\n``, ``\\x1b``), for a log line: a name from a
+    message or from Redis (an event's, a schedule entry's) with a newline in it would otherwise write a line of
+    its own."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class TextFormatter(logging.Formatter):
     """The dramatiq CLI's line, with the trace ids appended when there are some; a traceback capped."""
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import dramatiq
+import markupsafe
 import pika
 import pytest
 import redis
@@ -18,12 +23,14 @@ from click.testing import CliRunner, Result
 from dramatiq.common import xq_name
 
 import dramatiq_gp as gp
+from devtools.asgi import serving
 from dramatiq_gp import keys
 from dramatiq_gp.brokers import rabbitmq_view
 from dramatiq_gp.brokers.kinds import view_for
 from dramatiq_gp.brokers.redis_view import RedisQueueView
 from dramatiq_gp.brokers.view import QueueView
 from dramatiq_gp.cli import main
+from dramatiq_gp.dashboard import create_app
 from helpers import BAD_DEAD_LETTERS, RABBITMQ_URL, bury, stored_dead_letter, wait_for
 
 
@@ -327,3 +334,152 @@ def test_on_rabbitmq_dead_letters_page_oldest_first_survive_being_looked_at_and_
 
     assert run("dlq", "purge", "letters", "--yes").stdout == "29 dead letter(s) of queue letters deleted\n"
     assert view.dead_count("letters") == 0 and view.dead_letters("letters") == []
+
+
+def _dead_letters_of_default(make_kit, start_worker, namespace: str, count: int) -> gp.Kit:
+    """A worker whose ``charge`` fails for good at once: ``count`` dead letters in ``default``."""
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
+
+    @dramatiq.actor(broker=kit.broker, actor_name="charge", max_retries=0)
+    def charge(n: int) -> None:
+        raise RuntimeError("the card was declined")
+
+    for n in range(count):
+        charge.send(n)
+    start_worker(kit)
+    wait_for(lambda: _queues(kit).dead_count("default") == count)
+    return kit
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_a_dlq_command_on_a_queues_delay_or_dead_letter_queue_is_refused_in_one_line_and_changes_nothing(
+    broker, make_kit, start_worker, clean_env, namespace, caplog
+):
+    # On Redis each `requeue default.XQ` lost a dead letter and said "unreachable"; on RabbitMQ it said
+    # "5 requeued" and moved none, and `purge default.XQ` deleted the queue's dead letters.
+    kit = _dead_letters_of_default(make_kit, start_worker, namespace, 5)
+    before = sorted(d.message_id or "" for d in _queues(kit).dead_letters("default"))
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    for queue, kind in (("default.XQ", "dead-letter"), ("default.DQ", "delay")):
+        refused = (
+            f"Error: {queue!r} is the {kind} queue of queue 'default': dead letters are kept under their "
+            "queue's own name, so give 'default'\n"
+        )
+        for args in (
+            *[["requeue", queue, "--all"]] * 3,
+            ["requeue", queue, before[0]],
+            ["list", queue],
+            ["list", queue, "--json"],
+            ["show", queue, before[0]],
+            ["purge", queue, "--yes"],
+        ):
+            with caplog.at_level(logging.INFO, logger="dramatiq_gp.actions"):
+                done = run("dlq", *args)
+            assert (done.exit_code, done.output) == (1, refused), args
+    assert sorted(d.message_id or "" for d in _queues(kit).dead_letters("default")) == before
+    assert [r for r in caplog.records if r.name == "dramatiq_gp.actions"] == []  # nothing was done
+    assert run("dlq", "list", "default").stdout.startswith("queue default: 5 dead letter(s)\n")
+
+
+class _Vetoes(dramatiq.Middleware):
+    """Fails ``vetoed`` before it runs, as any middleware may (``message.fail()``), giving no reason."""
+
+    def before_process_message(self, broker, message):
+        if message.actor_name == "vetoed":
+            message.fail()
+
+
+def _send_raw(kit: gp.Kit, queue: str, redis_id: str, body: bytes) -> None:
+    """``body`` on ``queue`` as some producer wrote it, not through the kit."""
+    if isinstance(kit.broker, gp.RabbitmqBroker):
+        connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+        try:
+            connection.channel().basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+        finally:
+            connection.close()
+        return
+    client, ns = kit.broker.client, kit.broker.namespace
+    client.hset(keys.messages(ns, queue), redis_id, body)
+    client.rpush(keys.queue(ns, queue), redis_id)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_every_dead_letter_says_why_it_was_set_aside_in_the_cli_and_on_the_page(
+    broker, make_kit, start_worker, clean_env, namespace
+):
+    # `"reason": null` for an exception the actor throws, a message past its max_age, a malformed
+    # message, and one a middleware failed; the refusal of a message on another actor's queue is new.
+    env = {"VALKEY_NAMESPACE": namespace, "WORKER_UNKNOWN_TASK_GRACE": "200ms", "WORKER_MIN_BACKOFF": "10ms"}
+    kit = make_kit(env=env, middleware=[_Vetoes()])
+
+    def declined() -> None:
+        raise RuntimeError("the card was declined")
+
+    def out_of_stock() -> None:
+        raise ValueError("out of stock")
+
+    dramatiq.actor(declined, broker=kit.broker, actor_name="charge", max_retries=1)
+    dramatiq.actor(out_of_stock, broker=kit.broker, actor_name="reserve", throws=(ValueError,))
+    dramatiq.actor(lambda: None, broker=kit.broker, actor_name="stale", max_age=60_000)
+    dramatiq.actor(lambda: None, broker=kit.broker, actor_name="vetoed")
+    dramatiq.actor(lambda: None, broker=kit.broker, actor_name="elsewhere", queue_name="other")
+    long_ago = int(time.time() * 1000) - 3_600_000
+
+    def message(actor: str, id: str, queue: str = "default", **fields: Any) -> dramatiq.Message[Any]:
+        return dramatiq.Message(
+            queue_name=queue, actor_name=actor, args=(), kwargs={}, options={}, message_id=id, **fields
+        )
+
+    for sent in (
+        message("charge", "m-retried"),
+        message("reserve", "m-throws"),
+        message("stale", "m-old", message_timestamp=long_ago),
+        message("vetoed", "m-vetoed"),
+        message("gone", "m-unknown"),
+        message("charge", "m-misrouted", queue="other"),
+    ):
+        kit.broker.enqueue(sent)
+    malformed = {**message("charge", "m-malformed").asdict(), "kwargs": [1]}
+    malformed["options"] = {"redis_message_id": "r-malformed"}
+    _send_raw(kit, "default", "r-malformed", json.dumps(malformed).encode())
+    _send_raw(kit, "default", "r-garbled", b"\xff not a message")
+    start_worker(kit)
+    view = _queues(kit)
+    wait_for(lambda: (view.dead_count("default"), view.dead_count("other")) == (7, 1), timeout=20)
+
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    listed = run("dlq", "list", "--json")
+    assert listed.exit_code == 0, listed.output
+    reasons = {d["message_id"]: d["reason"] for d in map(json.loads, listed.stdout.splitlines())}
+    decode = "cannot decode it (UnicodeDecodeError)"
+    assert reasons == {
+        "m-retried": "RuntimeError: the card was declined",
+        "m-throws": "ValueError: out of stock (one its actor throws: not retried)",
+        "m-old": reasons["m-old"],  # its age, below
+        "m-vetoed": "failed for good by a middleware (message.fail()), with no exception",
+        "m-unknown": "no handler for task type 'gone' within 200ms (WORKER_UNKNOWN_TASK_GRACE)",
+        "m-malformed": "malformed, set aside as it came: its kwargs is not a dict",
+        None: f"malformed, set aside as it came: {decode}",
+        "m-misrouted": "task type 'charge' is declared on queue 'default', not on 'other' where it came: "
+        "a worker runs a message only from its actor's queue",
+    }
+    assert re.fullmatch(
+        r"3,6\d\d,\d{3} ms old when it came to run, past its max_age of 60,000 ms \(AgeLimit\)", reasons["m-old"]
+    )
+
+    with serving(create_app()) as base:
+        pages = "".join(
+            urllib.request.urlopen(f"{base}/dead-letters/{q}", timeout=10).read().decode() for q in ("default", "other")
+        )
+    for reason in reasons.values():
+        assert str(markupsafe.escape(reason)) in pages, reason
+
+
+def test_a_requeue_onto_a_key_that_is_no_queue_refuses_before_it_moves_or_loses_any(rdb, namespace, clean_env):
+    # The requeue script once took a dead letter off its set, then failed on the queue's key: lost.
+    _bury(rdb, namespace, "mail", 3)
+    rdb.set(keys.queue(namespace, "mail"), "not a list")  # written by something else
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    done = run("dlq", "requeue", "mail", "--all")
+    assert done.exit_code == 1 and done.output.count("\n") == 1 and "ResponseError" in done.output
+    assert (rdb.zcard(keys.dead(namespace, "mail")), rdb.hlen(keys.dead_messages(namespace, "mail"))) == (3, 3)

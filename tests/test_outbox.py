@@ -199,6 +199,18 @@ def test_a_poison_row_is_set_aside_without_holding_back_the_rest(outbox_kit, eng
     assert {row.failed_at is None for row in _rows(engine) if row.id == failed[0].id} == {True}
 
 
+def test_an_event_name_with_a_newline_stays_on_its_log_line(outbox_kit, engine, caplog):
+    # Logged with %s, a row's event name written by hand could forge a line of its own.
+    kit = outbox_kit(env={"OUTBOX_MAX_ATTEMPTS": "1"})
+    forged = "test.outbox.nobody\n[ERROR] outbox relay: all rows lost"
+    with engine.begin() as conn:
+        conn.execute(OUTBOX_EVENTS.insert().values(id=uuid.uuid4(), event=forged, payload={}))
+    with caplog.at_level(logging.WARNING, logger="dramatiq_gp"):
+        assert kit.relay.relay_once() == 1
+    (line,) = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert "\n" not in line and "(test.outbox.nobody\\n[ERROR] outbox relay: all rows lost)" in line
+
+
 DEEP = "[" * 3000 + "]" * 3000  # read by json.loads, it raises RecursionError
 
 

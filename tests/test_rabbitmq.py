@@ -673,16 +673,17 @@ def test_the_publisher_writes_the_frames_pika_would_for_every_body_size_and_prio
         publisher = BatchPublisher(connection)
         step = connection._impl._body_max_length
         number = publisher.channel.channel_number
-        for body, priority in [(b"", None), (b"{}", 3), (b"x" * (2 * step + 5), None), (b"y" * step, 0)]:
+        reason = {"gp_dead_letter_reason": "malformed"}  # a set-aside dead letter's
+        cases = [(b"", None, None), (b"{}", 3, None), (b"x" * (2 * step + 5), None, None), (b"y" * step, 0, None)]
+        for body, priority, headers in [*cases, (b"z", None, reason), (b"z", 3, reason), (b"z", None, None)]:
             publish = pika.spec.Basic.Publish(exchange="", routing_key="gp-q", mandatory=True)
+            properties = pika.BasicProperties(delivery_mode=2, priority=priority, headers=headers)
             expected = [
                 pika.frame.Method(number, publish).marshal(),
-                pika.frame.Header(
-                    number, len(body), pika.BasicProperties(delivery_mode=2, priority=priority)
-                ).marshal(),
+                pika.frame.Header(number, len(body), properties).marshal(),
                 *(pika.frame.Body(number, body[i : i + step]).marshal() for i in range(0, len(body), step)),
             ]
-            assert b"".join(publisher._frames("gp-q", body, priority)) == b"".join(expected)
+            assert b"".join(publisher._frames("gp-q", body, priority, headers)) == b"".join(expected)
     finally:
         connection.close()
 

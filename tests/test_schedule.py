@@ -38,7 +38,7 @@ def test_every_method_returns_the_schedule_and_names_default_sensibly():
         gp.Schedule("Europe/Budapest")
         .every(timedelta(minutes=15), SyncInventory())
         .daily_at("06:30", DigestDue(), queue="mail")
-        .cron("0 8 * * mon", DigestDue(5), name="monday_digest", tz="America/New_York", max_retries=3)
+        .cron("0 8 * * mon", DigestDue(5), name="monday_digest", tz="America/New_York", max_retries=3, queue="mail")
         .job("shop.nightly_sales_report", "0 3 * * *", report, time_limit=60_000)
     )
     entries = {entry.name: entry for entry in schedule}
@@ -113,3 +113,17 @@ def test_a_bad_default_zone_is_a_config_error(clean_env):
     clean_env.setenv("SCHEDULER_TIMEZONE", "Europe/Atlantis")
     with pytest.raises(gp.ConfigError, match="SCHEDULER_TIMEZONE='Europe/Atlantis'"):
         gp.Settings.from_env()
+
+
+def test_entries_sending_one_task_on_two_queues_are_refused_in_one_line():
+    # A worker runs a message only from its actor's queue: the second entry's ticks would all be set aside.
+    schedule = gp.Schedule().daily_at("06:30", DigestDue(), queue="mail")
+    with pytest.raises(gp.ScheduleError) as refused:
+        schedule.cron("0 8 * * mon", DigestDue(5), name="monday_digest")
+    assert str(refused.value) == (
+        "schedule entries 'test.schedule.digest_due' and 'monday_digest' both send task "
+        "'schedule:test.schedule.digest_due', on queues 'mail' and 'default': a task runs from one queue only; "
+        "give them one queue="
+    )
+    schedule.cron("0 8 * * mon", DigestDue(5), name="monday_digest", queue="mail")
+    assert len(schedule) == 2

@@ -71,8 +71,8 @@ def test_settle_lua_reads_each_field_from_the_slot_the_layout_gives_it():
 def broker(redis_url, namespace):
     broker = RedisBroker(url=redis_url, namespace=namespace, middleware=[], settle_window_ms=0)
 
-    @dramatiq.actor(broker=broker, actor_name="probe")
-    def probe(n: int) -> None: ...
+    for queue in ("default", "other"):  # a worker takes a message only from its actor's queue
+        dramatiq.actor(lambda n: None, broker=broker, actor_name=f"probe-{queue}", queue_name=queue)
 
     yield broker
     close_broker(broker)
@@ -81,7 +81,9 @@ def broker(redis_url, namespace):
 def _fetch(broker: RedisBroker, queue_name: str, count: int) -> list[Any]:
     """``count`` messages of ``queue_name``, sent and fetched: held in this worker's acks set."""
     for n in range(count):
-        broker.enqueue(Message(queue_name=queue_name, actor_name="probe", args=(n,), kwargs={}, options={}))
+        broker.enqueue(
+            Message(queue_name=queue_name, actor_name=f"probe-{queue_name}", args=(n,), kwargs={}, options={})
+        )
     consumer = broker.consume(queue_name, prefetch=count, timeout=100)
     fetched = [message for message in (next(consumer) for _ in range(count)) if message is not None]
     assert len(fetched) == count

@@ -1,4 +1,5 @@
-"""Messages for task types nobody handles are held, then dead-lettered with one warning; malformed ones at once."""
+"""Messages for task types nobody handles are held, then dead-lettered with one warning; malformed ones at once;
+those for an actor of another queue at once."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import redis
 from dramatiq import Message
 
 import dramatiq_gp as gp
+from dramatiq_gp.brokers import base
+from dramatiq_gp.brokers.kinds import view_for
 from dramatiq_gp.status import skipped_status
-from helpers import messages_of, wait_for
+from helpers import dead, messages_of, wait_for
 
 
 @gp.event("test.unknown.known")
@@ -264,3 +267,61 @@ def test_join_counts_a_message_behind_any_number_of_held_ones_and_nothing_else(m
     rdb.hset(stored, "garbage", b"\x00not json")  # undecodable: it counts until it is set aside
     with pytest.raises(dramatiq.errors.QueueJoinTimeout):
         kit.broker.join("default", timeout=300)
+
+
+def test_a_process_remembers_a_bounded_number_of_unknown_task_types_and_logs_each_name_capped(
+    make_kit, start_worker, namespace, caplog, monkeypatch
+):
+    # 1,000 made-up task types of 50 KB each were all kept, and logged whole: 150 MB more in a worker.
+    monkeypatch.setattr(base, "WARNED_MAX", 20, raising=False)  # fewer than 1,000, for speed
+    kit = make_kit(env={"WORKER_UNKNOWN_TASK_GRACE": "0", "VALKEY_NAMESPACE": namespace})
+    names = [f"made-up-{n:03d}-" + "x" * 50_000 for n in range(30)]
+    kit.broker.declare_queue("default")
+    kit.broker.enqueue_many([_orphan(name) for name in names])
+    caplog.set_level(logging.WARNING, logger="dramatiq_gp.brokers.base")
+    start_worker(kit)
+    wait_for(lambda: dead(kit) == 30)
+    lines = messages_of(caplog, "dramatiq_gp.brokers.base", logging.WARNING)
+    assert len(lines) == 21, [line[:80] for line in lines]  # one per type up to the bound, then one saying so
+    assert lines[-1].startswith("more than 20 distinct unknown or misrouted task types seen by this process")
+    assert max(map(len, lines)) < 1_000
+    assert "made-up-000-xxx" in lines[0] and "characters cut" in lines[0]
+    warned = kit.broker.__dict__["_warned"]
+    assert len(warned) == 20 and sum(len(part) for key in warned for part in key) < 20 * 300
+    reasons = {letter.reason for letter in view_for(kit.settings, kit.broker.client).dead_letters("default")}
+    assert len(reasons) == 30 and max(map(len, reasons)) < 1_000  # each says why, its name capped too
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_a_message_runs_only_from_a_queue_its_actor_is_declared_on_and_on_another_is_set_aside_with_why(
+    broker, make_kit, start_worker, namespace, caplog
+):
+    # A queue was no boundary: whoever could send to qb ran qa's actor through it.
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
+    ran: list[tuple[str, str]] = []
+    dramatiq.actor(lambda tag: ran.append(("qa", tag)), broker=kit.broker, actor_name="delete_account", queue_name="qa")
+    dramatiq.actor(lambda tag: ran.append(("qb", tag)), broker=kit.broker, actor_name="thumbnail", queue_name="qb")
+
+    def send(queue: str, actor: str, tag: str, delay: int | None = None) -> None:
+        message = Message(queue_name=queue, actor_name=actor, args=(tag,), kwargs={}, options={}, message_id=tag)
+        kit.broker.enqueue(message, delay=delay)
+
+    send("qb", "delete_account", "forged-1")
+    send("qb", "delete_account", "forged-2")
+    send("qb", "delete_account", "forged-later", delay=50)  # by its delay queue, qb.DQ
+    send("qa", "delete_account", "legit")
+    send("qb", "thumbnail", "legit")
+    send("qb", "thumbnail", "legit-later", delay=50)
+    caplog.set_level(logging.WARNING, logger="dramatiq_gp.brokers.base")
+    start_worker(kit)
+    wait_for(lambda: len(ran) + dead(kit, "qb") == 6)  # each of the six has run or been set aside
+    assert sorted(ran) == [("qa", "legit"), ("qb", "legit"), ("qb", "legit-later")]
+    letters = view_for(kit.settings, kit.broker.client).dead_letters("qb")
+    assert sorted(letter.message_id or "" for letter in letters) == ["forged-1", "forged-2", "forged-later"]
+    assert {letter.reason for letter in letters} == {
+        "task type 'delete_account' is declared on queue 'qa', not on 'qb' where it came: "
+        "a worker runs a message only from its actor's queue"
+    }
+    (line,) = messages_of(caplog, "dramatiq_gp.brokers.base", logging.WARNING)  # once per task type and queue
+    assert line.startswith("task refused: task type 'delete_account' is declared on queue 'qa', not on 'qb'")
+    assert dead(kit, "qa") == 0

@@ -37,6 +37,7 @@ from dramatiq.middleware import MiddlewareError
 from .. import keys
 from ..durations import format_duration
 from ..errors import BrokerMismatch
+from ..errortext import capped
 from ..lua import scripts
 
 if TYPE_CHECKING:
@@ -57,6 +58,12 @@ DEAD_LETTER_REASON = "gp_dead_letter_reason"
 
 #: How long a message for an unknown task type waits between looks.
 UNKNOWN_TASK_RETRY_MS = 30_000
+#: The most of a name from a message (its task type, its queue) that a log line or a dead letter's reason
+#: carries: 1,000 task types of 50 KB each once made 1,000 log lines of 50 KB.
+NAME_SHOWN = 200
+#: The distinct task types (or task type and queue) a worker process logs once each; past it, one line says
+#: so and the others are set aside without one (their dead letters say why). Each is kept as shown.
+WARNED_MAX = 1_000
 
 _warned_lock = threading.Lock()
 
@@ -94,6 +101,24 @@ def plan_of(message: MessageProxy) -> SettlePlan | None:
 def attach_plan(message: MessageProxy, plan: SettlePlan) -> None:
     """Make ``plan`` the :class:`SettlePlan` of ``message``."""
     setattr(message, PLAN_ATTR, plan)
+
+
+def shown(name: str) -> str:
+    """``name``, from a message (any producer's), as log lines and reasons carry it: at most :data:`NAME_SHOWN`
+    characters of it (its head and tail)."""
+    return capped(name, NAME_SHOWN)
+
+
+def keep_failure_reason(message: MessageProxy) -> None:
+    """Make sure ``message``, failing for good, says why in its dead letter.
+
+    The kit's ``Retries`` gives the reasons it knows (an exception the actor throws,
+    a skip such as ``AgeLimit``'s); one with the traceback of a failed attempt says
+    why through it. Anything else that called ``message.fail()`` gave none.
+    """
+    options = message.options
+    if DEAD_LETTER_REASON not in options and "traceback" not in options:
+        options[DEAD_LETTER_REASON] = "failed for good by a middleware (message.fail()), with no exception"
 
 
 def decode_cause(error: DecodeError) -> str:
@@ -145,6 +170,12 @@ def malformed(message: Message[Any]) -> str:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return f"its option {name} is a {type(value).__name__}, not a number"
     return ""
+
+
+def malformed_reason(problem: str) -> str:
+    """The reason kept with a message set aside as it came, for ``problem`` (:func:`malformed`'s, or why it
+    cannot be decoded)."""
+    return f"malformed, set aside as it came: {problem}"
 
 
 class BrokerHooks(Protocol):
@@ -293,13 +324,13 @@ class KitBroker(Broker):
         now = current_millis()
         since = message.options.get("gp_unknown_since", now)
         waited = now - since
+        task_type = shown(message.actor_name)
         if waited < self.unknown_task_grace_ms:
             self._warn_once(
-                "held",
-                message.actor_name,
+                ("held", task_type),
                 "no handler for task type %r here; holding its messages for up to %d s in case "
                 "a newer worker handles them (WORKER_UNKNOWN_TASK_GRACE)",
-                message.actor_name,
+                task_type,
                 self.unknown_task_grace_ms // 1000,
                 level=logging.INFO,
             )
@@ -308,25 +339,63 @@ class KitBroker(Broker):
             consumer.ack(message)
             return
         self._warn_once(
-            "skipped",
-            message.actor_name,
-            "task skipped: no handler registered for task type %r (task_id=%s); it and further messages "
+            ("skipped", task_type),
+            "task skipped: no handler registered for task type %r (task_id=%r); it and further messages "
             "of this type go to the dead-letter set of queue %r",
-            message.actor_name,
-            message.message_id,
-            q_name(message.queue_name),
+            task_type,
+            shown(message.message_id),
+            shown(q_name(message.queue_name)),
         )
         grace = format_duration(timedelta(milliseconds=self.unknown_task_grace_ms))
-        reason = f"no handler for task type {message.actor_name!r} within {grace} (WORKER_UNKNOWN_TASK_GRACE)"
+        reason = f"no handler for task type {task_type!r} within {grace} (WORKER_UNKNOWN_TASK_GRACE)"
         consumer.dead_letter(message, reason)
 
-    def _warn_once(self, kind: str, task_type: str, msg: str, *args: object, level: int = logging.WARNING) -> None:
-        """Log ``msg`` the first time ``kind`` happens to ``task_type`` in this process."""
+    def set_aside_misrouted(self, consumer: Any, message: MessageProxy, declared_on: str) -> None:
+        """Dead-letter ``message``, which came on ``consumer``'s queue for an actor declared on ``declared_on``.
+
+        A queue is a boundary: who may send to one queue must not run the actors of
+        another through it (Dramatiq runs a message whatever queue it came on). One
+        warning per task type and queue; the reason goes in the dead letter's options.
+        """
+        task_type, came_on = shown(message.actor_name), shown(q_name(consumer.queue_name))
+        self._warn_once(
+            ("misrouted", task_type, came_on),
+            "task refused: task type %r is declared on queue %r, not on %r where its message came "
+            "(task_id=%r); it and further such messages go to the dead-letter set of queue %r",
+            task_type,
+            declared_on,
+            came_on,
+            shown(message.message_id),
+            came_on,
+        )
+        reason = (
+            f"task type {task_type!r} is declared on queue {declared_on!r}, not on {came_on!r} where it came: "
+            "a worker runs a message only from its actor's queue"
+        )
+        consumer.dead_letter(message, reason)
+
+    def _warn_once(self, key: tuple[str, ...], msg: str, *args: object, level: int = logging.WARNING) -> None:
+        """Log ``msg`` the first time ``key`` (what happened, and to what) happens in this process.
+
+        Only :data:`WARNED_MAX` keys are remembered: a producer can make up task types
+        without end, and each kept for ever grew a worker by its size.
+        """
         with _warned_lock:
-            warned = self.__dict__.setdefault("_warned", set())
-            if (kind, task_type) in warned:
+            warned: set[tuple[str, ...]] = self.__dict__.setdefault("_warned", set())
+            if key in warned:
                 return
-            warned.add((kind, task_type))
+            if len(warned) >= WARNED_MAX:
+                if self.__dict__.get("_warned_full"):
+                    return
+                self.__dict__["_warned_full"] = True
+                msg, args, level = (
+                    "more than %d distinct unknown or misrouted task types seen by this process: further ones "
+                    "are set aside without a line of their own (each dead letter says why)",
+                    (WARNED_MAX,),
+                    logging.WARNING,
+                )
+            else:
+                warned.add(key)
         logger.log(level, msg, *args)
 
     def send_failed(self, message: Message[Any], error: BaseException | None) -> None:

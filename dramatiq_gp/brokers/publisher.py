@@ -95,8 +95,10 @@ class BatchPublisher:
     def usable(self) -> bool:
         return bool(self.connection.is_open and self.channel.is_open)
 
-    def publish(self, items: Sequence[tuple[str, bytes, int | None]]) -> None:
+    def publish(self, items: Sequence[tuple[str, bytes, int | None]], headers: dict[str, Any] | None = None) -> None:
         """Publish each ``(queue, body, priority)`` and return once RabbitMQ has confirmed them all.
+
+        ``headers``: AMQP headers for each of them (a dead letter's reason; the relay's batches have none).
 
         Raises:
             NoReply: some were not confirmed within the timeout.
@@ -110,7 +112,7 @@ class BatchPublisher:
         self._problems.clear()
         frames: list[bytes] = []
         for queue, body, priority in items:
-            frames += self._frames(queue, body, priority)
+            frames += self._frames(queue, body, priority, headers)
         first = self._published + 1
         self._published += len(items)
         self._outstanding.update(range(first, self._published + 1))
@@ -120,16 +122,21 @@ class BatchPublisher:
         if self._problems:
             raise NotConfirmed(f"{len(self._problems)} message(s) not taken: {self._problems[0]}")
 
-    def _frames(self, queue: str, body: bytes, priority: int | None) -> list[bytes]:
+    def _frames(self, queue: str, body: bytes, priority: int | None, headers: dict[str, Any] | None) -> list[bytes]:
         """The frames ``basic_publish(exchange="", routing_key=queue, mandatory=True)`` would send."""
         method = self._methods.get(queue)
         if method is None:
             publish = pika.spec.Basic.Publish(exchange="", routing_key=queue, mandatory=True)
             method = self._methods[queue] = pika.frame.Method(self._number, publish).marshal()
-        properties = self._properties.get(priority)
-        if properties is None:
-            encoded = pika.spec.BasicProperties(delivery_mode=_DELIVERY_MODE, priority=priority).encode()
-            properties = self._properties[priority] = b"".join(encoded)
+        if headers:
+            with_headers = pika.spec.BasicProperties(delivery_mode=_DELIVERY_MODE, priority=priority, headers=headers)
+            properties = b"".join(with_headers.encode())
+        else:
+            cached = self._properties.get(priority)
+            if cached is None:
+                encoded = pika.spec.BasicProperties(delivery_mode=_DELIVERY_MODE, priority=priority).encode()
+                cached = self._properties[priority] = b"".join(encoded)
+            properties = cached
         size = len(body)
         header = _CONTENT_HEAD.pack(pika.spec.BasicProperties.INDEX, size) + properties
         frames = [method, _FRAME_HEAD.pack(pika.spec.FRAME_HEADER, self._number, len(header)), header, _FRAME_END]

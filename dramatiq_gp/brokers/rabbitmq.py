@@ -48,7 +48,8 @@ message format, so stock Dramatiq producers see the same queues. On top of it:
   message through it, and says what a ``kill -9`` at each step does.
 * A consumer takes every message pika already holds when one arrives, and hands
   them to the middleware's ``after_fetch`` together (one round trip for their
-  idempotency claims).
+  idempotency claims). One whose actor is declared on another queue is
+  dead-lettered with the reason: a worker runs a message only from its actor's queue.
 * **Sending to a queue is not consuming it.** Dramatiq declares the queue of every
   message it sends, and its worker starts a consumer for every queue declared, so a
   worker that fans an event out to a listener only another worker has (on a queue of
@@ -98,7 +99,16 @@ from ..errors import BrokerUnreachable, ConfigError, ConfirmTimeout, QuorumLost
 from ..lua import scripts
 from ..names import is_delay_queue
 from ..settings import settle_window_ms_from_env
-from .base import DEAD_LETTER_REASON, KitBroker, Settle, decode_cause, malformed, plan_of
+from .base import (
+    DEAD_LETTER_REASON,
+    KitBroker,
+    Settle,
+    decode_cause,
+    keep_failure_reason,
+    malformed,
+    malformed_reason,
+    plan_of,
+)
 from .done_marks import with_library
 from .publisher import CONFIRM_TIMEOUT_S, BatchPublisher, NoReply, NotConfirmed
 from .settler import Settler
@@ -253,10 +263,12 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             ]
         )
 
-    def _confirmed_bodies(self, items: Sequence[tuple[str, bytes, int | None]]) -> None:
-        """:meth:`_confirmed` for ``(queue, body, priority)`` items."""
+    def _confirmed_bodies(
+        self, items: Sequence[tuple[str, bytes, int | None]], headers: dict[str, Any] | None = None
+    ) -> None:
+        """:meth:`_confirmed` for ``(queue, body, priority)`` items, each with ``headers``."""
         try:
-            self._batch_publisher().publish(items)
+            self._batch_publisher().publish(items, headers)
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             del self.connection  # the next caller opens new ones (the publisher's channel goes with it)
             if isinstance(exc, NoReply):
@@ -501,6 +513,7 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
         """
         for queue_name, message, command in batch:
             if command == "nack" and self.confirm_delivery and not message.__dict__.get(_DEAD_LETTERED_ATTR):
+                keep_failure_reason(message)
                 self._publish(message.copy(queue_name=xq_name(q_name(queue_name))))  # raises, as a copy's does
                 setattr(message, _DEAD_LETTERED_ATTR, True)
             plan = plan_of(message)
@@ -681,7 +694,9 @@ class _Consumer(_RabbitmqConsumer):
         self.last_received: Message[Any] | None = None
         self.last_recorded: Message[Any] | None = None
         self.broker._consumers.add(self)
-        if not is_delay_queue(self.queue_name):
+        #: Whether this is a delay queue's consumer, and the queue whose actors run from it.
+        self._delayed, self._home = is_delay_queue(self.queue_name), q_name(self.queue_name)
+        if not self._delayed:
             self.broker.register_consumer(self.queue_name)
 
     def __next__(self) -> Any:
@@ -737,27 +752,35 @@ class _Consumer(_RabbitmqConsumer):
             logger.error(
                 "a message on queue %r is malformed: %s; moved to the dead-letter queue", self.queue_name, problem
             )
-            self._set_aside(method.delivery_tag, body)
+            self._set_aside(method.delivery_tag, body, malformed_reason(problem))
             return None
         message: Any = _RabbitmqMessage(method.redelivered, method.delivery_tag, decoded)  # type: ignore[no-untyped-call]
         self.known_tags.add(method.delivery_tag)
         self._delivered.append(method.delivery_tag)
         message._consumer = self
-        if is_delay_queue(self.queue_name):
-            return message  # parked in the consumer until due, and checked then
-        self.last_received = decoded  # what the beat records: one assignment, no work per message
-        if message.actor_name not in self.broker.actors:
-            self.broker.hold_or_skip_unknown(self, message)
-            return None
-        return message
+        # A queue is a boundary: only the actors declared on it run from it (on its delay queue too).
+        actor = self.broker.actors.get(decoded.actor_name)
+        if self._delayed:
+            if actor is None or actor.queue_name == self._home:
+                return message  # parked in the consumer until due; an unknown type is looked at on its queue
+        else:
+            self.last_received = decoded  # what the beat records: one assignment, no work per message
+            if actor is not None and actor.queue_name == self._home:
+                return message
+            if actor is None:
+                self.broker.hold_or_skip_unknown(self, message)
+                return None
+        self.broker.set_aside_misrouted(self, message, actor.queue_name)
+        return None
 
-    def _set_aside(self, tag: int, body: bytes) -> None:
-        """Publish ``body`` to the dead-letter queue, confirmed, then ack it (a nack's dead letter may be lost)."""
+    def _set_aside(self, tag: int, body: bytes, reason: str) -> None:
+        """Publish ``body`` to the dead-letter queue, ``reason`` in a header, confirmed, then ack it (a nack's dead
+        letter may be lost)."""
         if self.broker.confirm_delivery:
             queue = xq_name(q_name(self.queue_name))
             self.broker.declare_queue(q_name(self.queue_name), ensure=True)
-            # As it came: it is no message. Raises ConnectionClosed: it stays unacked, and comes back.
-            self.broker._confirmed_bodies([(queue, body, None)])
+            # As it came: it may be no message. Raises ConnectionClosed: it stays unacked, and comes back.
+            self.broker._confirmed_bodies([(queue, body, None)], {DEAD_LETTER_REASON: reason})
             command = "ack"
         else:
             command = "nack"

@@ -37,6 +37,7 @@ from dramatiq.errors import DecodeError
 
 from .. import keys
 from ..records import text
+from .base import DEAD_LETTER_REASON
 from .view import DeadLetter, QueueView, letter
 
 #: A send to a queue unconfirmed this recently makes its counts unknown (a minute: the outbox relay and
@@ -157,12 +158,12 @@ class RabbitmqQueueView(QueueView):
         recorded = self.client.hmget(keys.fetched(self.namespace), names)
         return {name: int(text(at)) for name, at in zip(names, recorded, strict=True) if text(at).isdigit()}
 
-    def dead_count(self, queue: str) -> int:
+    def _dead_count(self, queue: str) -> int:
         with self._connected() as connection:
             declared = _declared(connection, xq_name(queue))
         return int(declared.message_count) if declared is not None else 0
 
-    def dead_letters(self, queue: str, *, offset: int = 0, limit: int = 50, pii: bool = False) -> list[DeadLetter]:
+    def _dead_letters(self, queue: str, *, offset: int, limit: int, pii: bool) -> list[DeadLetter]:
         """The oldest first (AMQP reads a queue from its head): reads ``offset + limit`` of them."""
         seen: list[DeadLetter] = []
 
@@ -173,7 +174,7 @@ class RabbitmqQueueView(QueueView):
         self._pass(queue, look, pii)
         return seen[offset : offset + limit]
 
-    def dead_letter(self, queue: str, id: str, *, pii: bool = False) -> DeadLetter | None:
+    def _dead_letter(self, queue: str, id: str, *, pii: bool) -> DeadLetter | None:
         """Reads up to the one with message id ``id``."""
         found: list[DeadLetter] = []
 
@@ -186,7 +187,7 @@ class RabbitmqQueueView(QueueView):
         self._pass(queue, look, pii)
         return found[0] if found else None
 
-    def requeue(self, queue: str, ids: Sequence[str] | None = None) -> int:
+    def _requeue(self, queue: str, ids: Sequence[str] | None) -> int:
         """Reads every dead letter of the queue once (only as many as there were when it started)."""
         wanted = None if ids is None else set(ids)
         moved = 0
@@ -201,7 +202,7 @@ class RabbitmqQueueView(QueueView):
         self._pass(queue, choose, pii=False)
         return moved
 
-    def purge(self, queue: str) -> int:
+    def _purge(self, queue: str) -> int:
         with self._connected() as connection:
             try:
                 return int(connection.channel().queue_purge(xq_name(queue)).method.message_count)
@@ -227,11 +228,11 @@ class RabbitmqQueueView(QueueView):
                 method, properties, body = channel.basic_get(xq, auto_ack=False)
                 if method is None:
                     return
-                dead = letter(queue, "", DIED_UNKNOWN, body, pii)
+                dead = letter(queue, "", DIED_UNKNOWN, body, pii, _set_aside_reason(properties))
                 dead = replace(dead, id=dead.message_id or "")  # on RabbitMQ its handle is its message id
                 choice = choose(dead)
                 if choice == REQUEUE:
-                    _publish(channel, queue, properties, _for_queue(body, queue))
+                    _publish(channel, queue, properties, _for_queue(body, queue), requeued=True)
                     channel.basic_ack(method.delivery_tag)
                     continue
                 if int((properties.headers or {}).get("x-delivery-count", 0)) + 1 >= REFRESH_AT:
@@ -254,9 +255,13 @@ def _declared(connection: pika.BlockingConnection, queue: str) -> Any:
             channel.close()
 
 
-def _publish(channel: Any, queue: str, properties: Any, body: bytes) -> None:
-    """Publish ``body`` to ``queue``, persistent, and wait for RabbitMQ's confirm (raises without it)."""
-    headers = {k: v for k, v in (properties.headers or {}).items() if k != "x-delivery-count"}
+def _publish(channel: Any, queue: str, properties: Any, body: bytes, *, requeued: bool = False) -> None:
+    """Publish ``body`` to ``queue``, persistent, and wait for RabbitMQ's confirm (raises without it).
+
+    ``requeued``: back to its queue, without the reason it was set aside (set aside again, it gets its own).
+    """
+    dropped = ("x-delivery-count", DEAD_LETTER_REASON) if requeued else ("x-delivery-count",)
+    headers = {k: v for k, v in (properties.headers or {}).items() if k not in dropped}
     channel.basic_publish(
         exchange="",
         routing_key=queue,
@@ -264,6 +269,12 @@ def _publish(channel: Any, queue: str, properties: Any, body: bytes) -> None:
         properties=pika.BasicProperties(delivery_mode=2, priority=properties.priority, headers=headers or None),
         mandatory=True,
     )
+
+
+def _set_aside_reason(properties: Any) -> str | None:
+    """Why the consumer set a dead letter aside as it came (its header), or None."""
+    why = (properties.headers or {}).get(DEAD_LETTER_REASON)
+    return text(why) if why is not None else None
 
 
 def _for_queue(body: bytes, queue: str) -> bytes:

@@ -24,12 +24,15 @@ tools see the same queues. On top of it:
   period (a newer worker may know it), then skipped with one warning: it goes to
   the dead-letter set with the reason in its options (``dead_letter.lua``), and is
   counted per task type for ``dramatiq-gp status``. :meth:`RedisBroker.join` does
-  not wait for held messages (``unsettled.lua``).
+  not wait for held messages (``unsettled.lua``). A message whose actor is
+  declared on another queue is dead-lettered at once, the same way: a worker runs a
+  message only from its actor's queue.
 * A fetch (``fetch.lua``) returns each message with the Redis id it is stored
   under. A fetched message that cannot be decoded, or is decodable but malformed
   (fields or options of the wrong type, a ``redis_message_id`` or ``queue_name``
   that is not where it is stored), goes to the dead-letter set as it came
-  (``set_aside.lua``) with one error line; the rest of its batch runs as usual.
+  (``set_aside.lua``) with one error line, the reason kept beside it; the rest of
+  its batch runs as usual.
 * Left at Dramatiq's default (``dramatiq_queue_prefetch`` unset, and no
   ``WORKER_QUEUES``, whose weights size each queue's prefetch), a consumer's
   prefetch follows its throughput: from Dramatiq's twice the threads up to
@@ -104,7 +107,9 @@ from .base import (
     Settle,
     SettlePlan,
     decode_cause,
+    keep_failure_reason,
     malformed,
+    malformed_reason,
     plan_of,
 )
 from .done_marks import with_library
@@ -384,6 +389,8 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             copy = plan.copy
             # A dead letter keeps the last attempt's options (its traceback, its retries), not the
             # message as fetched: without them, one that failed at its first attempt says nothing of why.
+            if command == "nack":
+                keep_failure_reason(message)
             data = message.encode() if command == "nack" else (copy.encode() if copy else b"")
             args += [  # SETTLE_ARGV["full"]
                 command[0].upper(),
@@ -416,10 +423,11 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             if plan is not None and plan.copy is not None:
                 self.send_failed(plan.copy, error)
 
-    def set_aside_malformed(self, queue_name: str, redis_id: str) -> int:
+    def set_aside_malformed(self, queue_name: str, redis_id: str, reason: str) -> int:
         """Dead-letter the fetched message stored under ``redis_id``, which cannot be decoded or is malformed.
 
-        It never reaches a worker thread, and it is moved as it came.
+        It never reaches a worker thread, and it is moved as it came; ``reason`` is
+        kept beside it (:func:`dramatiq_gp.keys.dead_reasons`), for the operator's tools.
 
         Left unacknowledged, it would come back after every heartbeat timeout for
         ever; in Dramatiq's dead-letter set (``<queue>.XQ``) it is kept for
@@ -431,8 +439,10 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             keys.messages(ns, queue_name),
             keys.dead(ns, queue_name),
             keys.dead_messages(ns, queue_name),
+            keys.dead_reasons(ns, queue_name),
         ]
-        return int(self._scripts["set_aside"](keys=touched, args=[redis_id, current_millis()]))
+        args = [redis_id, current_millis(), reason, self.dead_message_ttl]
+        return int(self._scripts["set_aside"](keys=touched, args=args))
 
     def dead_letter(self, queue_name: str, message: MessageProxy, reason: str) -> None:
         """Move a fetched ``message`` to its queue's dead-letter set, ``reason`` in its options.
@@ -590,6 +600,8 @@ class _Consumer(_RedisConsumer):
     def _accept(self, batch: list[tuple[str, bytes | None]]) -> list[MessageProxy]:
         """The messages of ``batch`` for the worker threads; the others are set aside or held here."""
         delayed = is_delay_queue(self.queue_name)
+        # A queue is a boundary: only the actors declared on it run from it (on its delay queue too).
+        actors, home = self.broker.actors, q_name(self.queue_name)
         accepted = []
         for redis_id, data in batch:
             if data is None:  # Dramatiq #266
@@ -604,22 +616,28 @@ class _Consumer(_RedisConsumer):
                 continue
             message = MessageProxy(decoded)
             self.queued_message_ids.add(message.message_id)
-            # Delayed messages are only parked here; they are checked when they come due.
-            if delayed or message.actor_name in self.broker.actors:
+            actor = actors.get(message.actor_name)
+            if actor is not None and actor.queue_name == home:
                 accepted.append(message)
                 continue
+            if actor is None and delayed:
+                accepted.append(message)  # parked here until due; looked at again on its queue
+                continue
             try:
-                self.broker.hold_or_skip_unknown(self, message)
+                if actor is None:
+                    self.broker.hold_or_skip_unknown(self, message)
+                else:
+                    self.broker.set_aside_misrouted(self, message, actor.queue_name)
             except ConnectionClosed:
                 raise
             except Exception as exc:
                 # One odd message must not take the consumer, and the batch fetched with it, down.
                 self.queued_message_ids.discard(message.message_id)
-                self._set_aside(redis_id, f"cannot hold it for its unknown task type ({type(exc).__name__}: {exc})")
+                self._set_aside(redis_id, f"cannot set it aside or hold it ({type(exc).__name__}: {exc})")
         return accepted
 
     def _set_aside(self, redis_id: str, problem: str) -> None:
-        moved = self.broker.set_aside_malformed(self.queue_name, redis_id)
+        moved = self.broker.set_aside_malformed(self.queue_name, redis_id, malformed_reason(problem))
         # The bytes stay out of the line (they may be a payload); they are kept in the dead-letter set.
         logger.error(
             "a message on queue %r is malformed: %s; %s",

@@ -2,7 +2,8 @@
 
 A queue is Dramatiq's layout under the namespace (:mod:`dramatiq_gp.keys`); its dead
 letters are ``<ns>:<queue>.XQ``, a sorted set of Redis message ids scored by when
-each died, and ``<ns>:<queue>.XQ.msgs``, their messages. Every read of them is
+each died, and ``<ns>:<queue>.XQ.msgs``, their messages; beside them the kit keeps
+``<ns>:<queue>.XQ.why``, the reason of each it set aside as it came. Every read of them is
 bounded by the page asked for (``ZREVRANGE`` and ``HMGET``), never by how many
 there are, so a queue with 100,000 dead letters pages as fast as one with ten. Only
 finding one by its message id rather than its Redis id reads them all (a page at a
@@ -19,7 +20,7 @@ import redis
 
 from .. import keys
 from ..lua import scripts
-from ..records import garbled, moment, raw_name, unreadable
+from ..records import garbled, moment, raw_name, text, unreadable
 from .view import DeadLetter, QueueView, letter, ready_at
 
 _SCRIPTS = scripts(__file__)
@@ -103,31 +104,36 @@ class RedisQueueView(QueueView):
                 since[name] = at
         return since
 
-    def dead_count(self, queue: str) -> int:
+    def _dead_count(self, queue: str) -> int:
         return int(self.client.zcard(keys.dead(self.namespace, queue)))
 
-    def dead_letters(self, queue: str, *, offset: int = 0, limit: int = 50, pii: bool = False) -> list[DeadLetter]:
-        """The most recent first: two Redis commands."""
+    def _dead_letters(self, queue: str, *, offset: int, limit: int, pii: bool) -> list[DeadLetter]:
+        """The most recent first: two round trips."""
         ns = self.namespace
         scored: Any = self.client.zrevrange(keys.dead(ns, queue), offset, offset + limit - 1, withscores=True)
         if not scored:
             return []
-        data: Any = self.client.hmget(keys.dead_messages(ns, queue), [member for member, _ in scored])
+        members = [member for member, _ in scored]
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.dead_messages(ns, queue), members)
+            pipe.hmget(keys.dead_reasons(ns, queue), members)
+            data, reasons = pipe.execute()
         return [
-            letter(queue, _id(member), moment(score, "score"), raw, pii)
-            for (member, score), raw in zip(scored, data, strict=True)
-            if raw is not None  # expired between the two commands
+            letter(queue, _id(member), moment(score, "score"), raw, pii, _text(why))
+            for (member, score), raw, why in zip(scored, data, reasons, strict=True)
+            if raw is not None  # expired between the two round trips
         ]
 
-    def dead_letter(self, queue: str, id: str, *, pii: bool = False) -> DeadLetter | None:
+    def _dead_letter(self, queue: str, id: str, *, pii: bool) -> DeadLetter | None:
         ns = self.namespace
         for redis_id in self._resolve(queue, [id]):
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.zscore(keys.dead(ns, queue), redis_id)
                 pipe.hget(keys.dead_messages(ns, queue), redis_id)
-                score, raw = pipe.execute()
+                pipe.hget(keys.dead_reasons(ns, queue), redis_id)
+                score, raw, why = pipe.execute()
             if score is not None and raw is not None:
-                return letter(queue, _id(redis_id), moment(score, "score"), raw, pii)
+                return letter(queue, _id(redis_id), moment(score, "score"), raw, pii, _text(why))
         return None
 
     def _resolve(self, queue: str, ids: Sequence[str]) -> list[str | bytes]:
@@ -163,12 +169,18 @@ class RedisQueueView(QueueView):
                 known.append(member)  # as Redis holds it: one not UTF-8 is found by its message id alone
         return known
 
-    def requeue(self, queue: str, ids: Sequence[str] | None = None) -> int:
+    def _requeue(self, queue: str, ids: Sequence[str] | None) -> int:
         """One Lua call per :data:`REQUEUE_BATCH`, each moving its batch atomically; the oldest first, so
         a whole queue's keep their order."""
         script = self.client.register_script(_SCRIPTS["requeue"])
         ns = self.namespace
-        touched = [keys.dead(ns, queue), keys.dead_messages(ns, queue), keys.queue(ns, queue), keys.messages(ns, queue)]
+        touched = [
+            keys.dead(ns, queue),
+            keys.dead_messages(ns, queue),
+            keys.dead_reasons(ns, queue),
+            keys.queue(ns, queue),
+            keys.messages(ns, queue),
+        ]
         if ids is not None:
             found = self._resolve(queue, ids)
             return sum(
@@ -182,10 +194,11 @@ class RedisQueueView(QueueView):
                 return moved
             moved += int(script(keys=touched, args=batch))
 
-    def purge(self, queue: str) -> int:
+    def _purge(self, queue: str) -> int:
+        ns = self.namespace
         with self.client.pipeline() as pipe:
-            pipe.zcard(keys.dead(self.namespace, queue))
-            pipe.unlink(keys.dead(self.namespace, queue), keys.dead_messages(self.namespace, queue))
+            pipe.zcard(keys.dead(ns, queue))
+            pipe.unlink(keys.dead(ns, queue), keys.dead_messages(ns, queue), keys.dead_reasons(ns, queue))
             dead, _ = pipe.execute()
         return int(dead)
 
@@ -197,6 +210,10 @@ def _ready_at(raw: bytes | str) -> int | None:
     except (ValueError, RecursionError):
         return None
     return ready_at(message.get("message_timestamp"), message.get("options")) if isinstance(message, dict) else None
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return None if value is None else text(value)
 
 
 def _id(member: bytes | str) -> str:

@@ -8,9 +8,12 @@ have: :func:`dramatiq_gp.brokers.kinds.view_for` picks it once, from the setting
 
 A dead letter is shown with its message id, task type, failed attempts, when it
 died (where the broker keeps that) and why: the reason the kit gave it
-(``gp_dead_letter_reason``: an unknown task type, a malformed message) or the
-exception its last attempt raised (the broker keeps it as that attempt left it,
-with Dramatiq's traceback). Its arguments may hold personal data, so they are shown
+(``gp_dead_letter_reason`` in its options: an unknown task type, a message on
+another actor's queue, an exception its actor throws...; beside it for a message
+set aside as it came, which may have no options) or the exception its last attempt
+raised (the broker keeps it as that attempt left it, with Dramatiq's traceback).
+Every action names a queue by its own name: :func:`dead_letters_of` refuses a
+queue's ``.DQ`` and ``.XQ``. Its arguments may hold personal data, so they are shown
 only when asked for with ``pii=True`` (``SENTRY_SEND_DEFAULT_PII``, the rule Sentry
 follows), and ``[Filtered]`` otherwise.
 
@@ -28,7 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import NotAQueue
 from ..records import unreadable
+from ..settings import QUEUE_NAME
 from .base import DEAD_LETTER_REASON
 
 FILTERED = "[Filtered]"
@@ -106,40 +111,95 @@ class QueueView(ABC):
         read with :meth:`counts`' ``ready``.
         """
 
-    @abstractmethod
     def dead_count(self, queue: str) -> int:
-        """How many dead letters ``queue`` has."""
+        """How many dead letters ``queue`` has.
 
-    @abstractmethod
+        Raises:
+            NotAQueue: ``queue`` is no queue's name (see :func:`dead_letters_of`), as for each method below.
+        """
+        return self._dead_count(dead_letters_of(queue))
+
     def dead_letters(self, queue: str, *, offset: int = 0, limit: int = 50, pii: bool = False) -> list[DeadLetter]:
         """A page of ``queue``'s dead letters, from ``offset``."""
+        return self._dead_letters(dead_letters_of(queue), offset=offset, limit=limit, pii=pii)
 
-    @abstractmethod
     def dead_letter(self, queue: str, id: str, *, pii: bool = False) -> DeadLetter | None:
         """The dead letter ``id`` of ``queue`` (its handle, or its message id), or None."""
+        return self._dead_letter(dead_letters_of(queue), id, pii=pii)
 
-    @abstractmethod
     def requeue(self, queue: str, ids: Sequence[str] | None = None) -> int:
         """Move the dead letters ``ids`` (each a handle or a message id; all of the queue's when None) back to
         ``queue``; how many moved."""
+        return self._requeue(dead_letters_of(queue), ids)
 
-    @abstractmethod
     def purge(self, queue: str) -> int:
         """Delete every dead letter of ``queue``; how many there were."""
+        return self._purge(dead_letters_of(queue))
+
+    # What each broker kind does, for a queue :func:`dead_letters_of` let through.
+
+    @abstractmethod
+    def _dead_count(self, queue: str) -> int: ...
+
+    @abstractmethod
+    def _dead_letters(self, queue: str, *, offset: int, limit: int, pii: bool) -> list[DeadLetter]: ...
+
+    @abstractmethod
+    def _dead_letter(self, queue: str, id: str, *, pii: bool) -> DeadLetter | None: ...
+
+    @abstractmethod
+    def _requeue(self, queue: str, ids: Sequence[str] | None) -> int: ...
+
+    @abstractmethod
+    def _purge(self, queue: str) -> int: ...
 
 
-def letter(queue: str, id: str, dead_at_ms: int | str, raw: bytes | str, pii: bool) -> DeadLetter:
-    """A dead letter as stored (an encoded Dramatiq message, or bytes set aside as undecodable), as it shows."""
+def dead_letters_of(queue: str) -> str:
+    """``queue``, checked to be a queue whose dead letters an operator may list, show, requeue or purge.
+
+    A queue's delay queue (``<queue>.DQ``) and dead-letter queue (``<queue>.XQ``) have no dead
+    letters of their own: Dramatiq keeps them all under the queue's own name. Named as queues,
+    each broker's layout folds them onto the queue's keys, where a requeue on Redis moved a dead
+    letter onto its own set and lost it on the way, and one on RabbitMQ put the dead letters
+    back in their dead-letter queue and counted them as requeued.
+
+    Raises:
+        NotAQueue: one line naming it and what to give instead.
+    """
+    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+        raise NotAQueue(f"{queue!r} is not a queue name (letters, digits, '.', '_', '-')")
+    if queue.endswith((".DQ", ".XQ")):
+        kind = "delay" if queue.endswith(".DQ") else "dead-letter"
+        raise NotAQueue(
+            f"{queue!r} is the {kind} queue of queue {queue[:-3]!r}: dead letters are kept under their "
+            f"queue's own name, so give {queue[:-3]!r}"
+        )
+    return queue
+
+
+def is_queue_name(name: str) -> bool:
+    """Whether :func:`dead_letters_of` takes ``name``."""
+    return isinstance(name, str) and bool(QUEUE_NAME.fullmatch(name)) and not name.endswith((".DQ", ".XQ"))
+
+
+def letter(
+    queue: str, id: str, dead_at_ms: int | str, raw: bytes | str, pii: bool, set_aside: str | None = None
+) -> DeadLetter:
+    """A dead letter as stored (an encoded Dramatiq message, or bytes set aside as undecodable), as it shows.
+
+    ``set_aside``: why the consumer set it aside as it came (malformed), which the
+    broker keeps beside it (on Redis in ``<queue>.XQ.why``, on RabbitMQ in a header).
+    """
     try:
         message = json.loads(raw)
         options = message["options"] if isinstance(message.get("options"), dict) else {}
     except (ValueError, AttributeError, RecursionError):
-        return DeadLetter(
-            id, queue, dead_at_ms, None, None, 0, "cannot decode it (set aside as it came)", FILTERED, FILTERED
-        )
-    reason = options.get(DEAD_LETTER_REASON)
-    if reason is None and isinstance(options.get("traceback"), str):
-        reason = _exception_line(options["traceback"])
+        why = set_aside or "cannot decode it (set aside as it came)"
+        return DeadLetter(id, queue, dead_at_ms, None, None, 0, why, FILTERED, FILTERED)
+    reason = set_aside or options.get(DEAD_LETTER_REASON)
+    if not isinstance(reason, str):
+        traceback = options.get("traceback")
+        reason = _exception_line(traceback) if isinstance(traceback, str) else None
     retries = options.get("retries", 0)
     # A message whose retries is no whole number was set aside as malformed: it still lists, marked.
     attempts = retries if type(retries) is int else unreadable(f"retries={reprlib.repr(retries)}")

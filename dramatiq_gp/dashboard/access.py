@@ -42,6 +42,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..settings import MIN_TOKEN_LENGTH
+from ..telemetry import printable
 from .logins import LoginLimits, LoginThrottle, client_key
 
 logger = logging.getLogger("dramatiq_gp.dashboard")
@@ -242,7 +243,7 @@ class SameOrigin:
             logger.warning(
                 "dashboard: %s %s from %s refused: sent by a page of another origin (Origin %r, Sec-Fetch-Site %r)",
                 scope["method"],
-                _escaped(scope["path"])[:200],
+                printable(scope["path"][:200]),
                 client,
                 origin[:200],
                 site[:40],
@@ -270,10 +271,6 @@ def _host_port(host: str) -> tuple[str, str]:
         return name, rest.removeprefix(":")
     name, _, port = host.rpartition(":") if host.count(":") == 1 else (host, "", "")
     return name, port
-
-
-def _escaped(text: str) -> str:
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _bare_host(host: str) -> str:

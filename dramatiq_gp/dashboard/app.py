@@ -29,11 +29,13 @@ from starlette.templating import Jinja2Templates
 from .. import actions
 from ..brokers.base import KitBroker
 from ..brokers.kinds import broker_for, view_for
+from ..brokers.view import dead_letters_of, is_queue_name
 from ..durations import format_duration
+from ..errors import NotAQueue
 from ..records import MARK
 from ..scheduler.dynamic import EventByName
 from ..scheduler.schedule import ScheduleError
-from ..settings import QUEUE_NAME, Settings
+from ..settings import Settings
 from .access import (
     CSRF_FIELD,
     AllowedHosts,
@@ -110,8 +112,9 @@ class _Dashboard:
             ),
             thousands=lambda n: "—" if n is None else f"{n:,}",
         )
-        # Only a queue name leads to a page of its dead letters (a name with a '/' did not even make a link).
-        self.templates.env.tests["queue_name"] = lambda name: bool(QUEUE_NAME.fullmatch(name))
+        # Only a queue name leads to a page of its dead letters (a name with a '/' did not even make a link,
+        # and a `.DQ` or `.XQ` one is refused).
+        self.templates.env.tests["queue_name"] = is_queue_name
         # What cannot be read shows its mark (see status.unreadable): a dead letter whose Redis id is one is
         # reached by its message id.
         self.templates.env.tests["marked"] = lambda value: isinstance(value, str) and value.startswith(MARK)
@@ -477,11 +480,12 @@ def _json_field(form: FormData, name: str, kind: type) -> Any:
 
 
 def _queue(request: Request) -> str:
-    """The queue named in the path; 400 for anything that is not a queue name (a newline, say)."""
-    queue: str = request.path_params["queue"]
-    if not QUEUE_NAME.fullmatch(queue):
-        raise HTTPException(400, f"{queue!r} is not a queue name (letters, digits, '.', '_', '-')")
-    return queue
+    """The queue named in the path; 400 in one line for anything that is not a queue whose dead letters can be
+    asked for (a newline, say, or a queue's ``.XQ``)."""
+    try:
+        return dead_letters_of(request.path_params["queue"])
+    except NotAQueue as exc:
+        raise HTTPException(400, str(exc)) from None
 
 
 def create_app(

@@ -57,6 +57,7 @@ from ..lua import scripts
 from ..metrics import instruments
 from ..records import text
 from ..scheduler import OVERLAP_OPTION
+from ..telemetry import printable
 
 _SCRIPTS = scripts(__file__)
 
@@ -143,8 +144,8 @@ class OverlapGuard(Middleware):
                 instruments().scheduler_overlaps.add(1, {"entry": entry, "outcome": "skipped"})
                 self.logger.warning(
                     "run skipped: %s is still running (run %s) task_type=%s task_id=%s",
-                    entry,
-                    holder,
+                    printable(entry),
+                    printable(holder),
                     message.actor_name,
                     message_id,
                 )
@@ -153,8 +154,8 @@ class OverlapGuard(Middleware):
                 waiting_since = time.monotonic()
                 self.logger.info(
                     "run waiting: %s is still running (run %s) task_type=%s task_id=%s",
-                    entry,
-                    holder,
+                    printable(entry),
+                    printable(holder),
                     message.actor_name,
                     message_id,
                 )
@@ -170,7 +171,7 @@ class OverlapGuard(Middleware):
             self.logger.info(
                 "run started after waiting %.1f s for %s's previous run task_id=%s",
                 time.monotonic() - waiting_since,
-                entry,
+                printable(entry),
                 message_id,
             )
 
@@ -204,7 +205,9 @@ class OverlapGuard(Middleware):
         try:
             self._release(keys=[held[0]], args=[held[1]])
         except redis.RedisError as exc:
-            self.logger.warning("could not free %s (its lease lapses within %d ms): %s", held[0], self.lease_ms, exc)
+            self.logger.warning(
+                "could not free %s (its lease lapses within %d ms): %s", printable(held[0]), self.lease_ms, exc
+            )
 
     def _renew_forever(self) -> None:
         while not self._stop.wait(self.lease_ms / 3000):
@@ -219,6 +222,6 @@ class OverlapGuard(Middleware):
             for index in lost:
                 self.logger.warning(
                     "lease %s lapsed and another run took it: the runs overlap (task_id=%s)",
-                    held[index - 1][0],
+                    printable(held[index - 1][0]),
                     held[index - 1][1],
                 )

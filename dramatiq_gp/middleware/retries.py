@@ -17,6 +17,11 @@ A :class:`~dramatiq_gp.PayloadMismatch` (an event written by another version of 
 application, which this one's class cannot read) is never retried: no retry can
 change the payload. The message fails at once, to its dead-letter queue, with the
 error that names the fields.
+
+Every message it lets fail for good says why in its dead letter
+(``gp_dead_letter_reason``): the exception its actor ``throws``, or what failed it
+before it ran (``AgeLimit``'s ``max_age``); Dramatiq's policy keeps the traceback of
+a retried attempt, which says why for the others.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any
 import dramatiq
 from dramatiq import Worker
 from dramatiq.broker import Broker, MessageProxy
+from dramatiq.common import current_millis
+from dramatiq.middleware import AgeLimit
 
 from ..brokers.base import DEAD_LETTER_REASON, kit_broker
 from ..errors import PayloadMismatch, one_line_at_start_up
@@ -66,9 +73,30 @@ class Retries(dramatiq.middleware.Retries):
             message.options[DEAD_LETTER_REASON] = f"{type(exception).__name__}: {exception}"
             message.fail()
             return
+        if expected_failure(broker, message, exception):
+            # Dramatiq fails it without a traceback: the dead letter would not say why.
+            message.options[DEAD_LETTER_REASON] = (
+                f"{type(exception).__name__}: {exception} (one its actor throws: not retried)"
+            )
         super().after_process_message(  # type: ignore[no-untyped-call]
             _SendWithAck(kit_broker(broker, self), message), message, result=result, exception=exception
         )
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        if message.failed and DEAD_LETTER_REASON not in message.options:
+            message.options[DEAD_LETTER_REASON] = _skipped_reason(broker, message)
+
+
+def _skipped_reason(broker: Broker, message: MessageProxy) -> str:
+    """Why a message failed before it ran: past its ``max_age`` (``AgeLimit``, which says so only in its log),
+    or another middleware's doing."""
+    actor = broker.actors.get(message.actor_name)
+    default = next((m.max_age for m in broker.middleware if isinstance(m, AgeLimit)), None)
+    max_age = message.options.get("max_age") or (actor.options.get("max_age", default) if actor else default)
+    age = current_millis() - message.message_timestamp
+    if max_age and age >= max_age:
+        return f"{age:,} ms old when it came to run, past its max_age of {max_age:,} ms (AgeLimit)"
+    return "skipped by a middleware before it ran, and failed"
 
 
 class _SendWithAck:

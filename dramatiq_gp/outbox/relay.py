@@ -74,6 +74,7 @@ from ..events import event_type_named
 from ..metrics import instruments, observe
 from ..names import EVENT_QUEUE, event_actor
 from ..settings import OutboxSettings, WorkerSettings, resolve_inbox_retention
+from ..telemetry import printable
 from ..tracecontext import ORIGIN
 from .admin import backlog
 from .inbox import PRUNE_BATCH, prune
@@ -530,7 +531,7 @@ class Relay:
             self.logger.error(
                 "outbox event %s (%s) set aside: %s; `dramatiq-gp outbox retry %s` re-queues it once fixed",
                 row.id,
-                row.event,
+                printable(row.event),
                 error,
                 row.id,
             )
@@ -540,7 +541,7 @@ class Relay:
             self.logger.error(
                 "outbox event %s (%s) set aside after %d attempts: %s; `dramatiq-gp outbox retry %s` re-queues it",
                 row.id,
-                row.event,
+                printable(row.event),
                 attempts,
                 error,
                 row.id,
@@ -552,7 +553,7 @@ class Relay:
             self.logger.warning(
                 "outbox event %s (%s) cannot be relayed (attempt %d of %d, next in %ss): %s",
                 row.id,
-                row.event,
+                printable(row.event),
                 attempts,
                 self.settings.max_attempts,
                 delay.seconds,

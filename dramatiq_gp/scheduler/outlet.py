@@ -64,6 +64,7 @@ from ..brokers.base import KitBroker
 from ..errors import GPError
 from ..lua import scripts
 from ..records import text
+from ..telemetry import printable
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +314,7 @@ class PushOutlet(Outlet):
         self.broker.emit_before("enqueue", message, None)
         if self._release(field, message):
             logger.warning(
-                "schedule runner: enqueued %s, claimed but not enqueued by the leader that claimed it", field
+                "schedule runner: enqueued %s, claimed but not enqueued by the leader that claimed it", printable(field)
             )
             self.broker.emit_after("enqueue", message, None)
         else:
@@ -345,7 +346,9 @@ class PublishOutlet(Outlet):
 
     def _send_held(self, field: str, data: bytes) -> None:
         """Publish a tick an earlier leader claimed and did not see confirmed."""
-        logger.warning("schedule runner: publishing %s, claimed but not confirmed by the leader that claimed it", field)
+        logger.warning(
+            "schedule runner: publishing %s, claimed but not confirmed by the leader that claimed it", printable(field)
+        )
         self.broker.enqueue(Message.decode(data))
         self.broker.client.hdel(self.keys.unpublished, field)
 

@@ -82,6 +82,7 @@ from ..metrics import instruments, observe
 from ..records import text
 from ..registry import Registry, idempotent_option, send_all
 from ..settings import SchedulerSettings
+from ..telemetry import printable
 from . import dynamic
 from .dynamic import decode_raw
 from .executor import TickExecutor
@@ -390,7 +391,7 @@ class Runner:
             self.logger.warning(
                 "schedule runner: %s: %d missed tick(s) not fired (SCHEDULER_CATCHUP=%s: more than "
                 "SCHEDULER_MISFIRE_THRESHOLD late)",
-                entry.name,
+                printable(entry.name),
                 skipped,
                 policy,
             )
@@ -473,7 +474,7 @@ class Runner:
         if raw is None:  # removed between the two reads
             return None
         if name in self._code_names:
-            self._report(name, "schedule runner: stored entry %s not fired: a code entry has its name", name)
+            self._report(name, "schedule runner: stored entry %s not fired: a code entry has its name", printable(name))
             return None
         try:
             return decode_raw(name, raw)
@@ -561,7 +562,7 @@ class Runner:
             if outcome == "lease_lost":
                 if leading:
                     self.logger.warning(
-                        "schedule runner: %s not fired: this process no longer holds the lease", entry.name
+                        "schedule runner: %s not fired: this process no longer holds the lease", printable(entry.name)
                     )
                     # Until the next renewal (up to a third of the TTL away) the timer would try again at once.
                     self.lease.lose("a firing found it taken or gone")
@@ -570,14 +571,16 @@ class Runner:
             counted = "caught_up" if outcome == "fired" and catching_up else outcome
             instruments().scheduler_ticks.add(1, {"entry": entry.name, "outcome": counted})
             if outcome == "not_durable":
-                not_durable.append(f"{entry.name} tick {tick.isoformat()}")
+                not_durable.append(f"{printable(entry.name)} tick {tick.isoformat()}")
             elif outcome == "paused":
-                self.logger.debug("schedule runner: %s is paused: tick %s not fired", entry.name, tick.isoformat())
+                self.logger.debug(
+                    "schedule runner: %s is paused: tick %s not fired", printable(entry.name), tick.isoformat()
+                )
             elif outcome == "fired":
                 lateness_ms = (datetime.now(UTC) - tick).total_seconds() * 1000
                 self.logger.info(
                     "schedule runner: fired %s scheduled_at=%s lateness_ms=%.0f%s",
-                    entry.name,
+                    printable(entry.name),
                     tick.astimezone(entry.zone).isoformat(),
                     lateness_ms,
                     " (catch-up)" if catching_up else "",

@@ -124,6 +124,8 @@ class Schedule:
         self.zone = zone_named(timezone, "the schedule")
         self._known_options = known_options
         self._entries: dict[str, Entry] = {}
+        #: The first entry that sends each task type.
+        self._senders: dict[str, Entry] = {}
 
     @one_line_at_start_up
     def every(self, interval: timedelta, event: object, *, name: str | None = None, **options: Any) -> Schedule:
@@ -318,6 +320,13 @@ class Schedule:
     def _add(self, entry: Entry) -> None:
         if entry.name in self._entries:
             raise ScheduleError(f"schedule entry {entry.name!r} is defined twice; give one of them another name=")
+        # One task type runs from one queue (a worker refuses it from any other).
+        other = self._senders.setdefault(entry.actor_name, entry)
+        if other.queue != entry.queue:
+            raise ScheduleError(
+                f"schedule entries {other.name!r} and {entry.name!r} both send task {entry.actor_name!r}, on "
+                f"queues {other.queue!r} and {entry.queue!r}: a task runs from one queue only; give them one queue="
+            )
         self._entries[entry.name] = entry
 
 
