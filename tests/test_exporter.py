@@ -26,7 +26,7 @@ import dramatiq_gp as gp
 from dramatiq_gp import keys
 from dramatiq_gp.brokers.kinds import view_for
 from dramatiq_gp.brokers.redis_view import RedisQueueView
-from dramatiq_gp.exporter import METRICS
+from dramatiq_gp.exporter import MAX_QUEUES, METRICS
 from dramatiq_gp.scheduler.dynamic import EventByName
 from helpers import wait_for
 
@@ -401,3 +401,26 @@ def test_bad_settings_and_a_port_taken_end_it_in_one_line(clean_env, namespace):
         busy = subprocess.run([*command, "--port", str(port)], capture_output=True, text=True, timeout=60)
     assert busy.returncode == 1
     assert busy.stderr.splitlines() == [f"Error: cannot serve on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_recorded_names_off_the_queue_grammar_are_left_out_and_a_scrape_counts_at_most_max_queues(
+    clean_env, namespace, rdb
+):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    recorded = keys.declared_queues(namespace)
+    # Anyone who may write to Redis can add to the set the workers record their queues in.
+    rdb.sadd(recorded, "mail", "bad\rname", "two words", "mail.XQ", "__acks__")
+
+    def served(scraped: Scraped) -> set[str]:
+        return {dict(labels)["messaging_destination_name"] for labels in scraped["dramatiq_gp_queue_messages"]}
+
+    with exporter() as base:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            assert b"\r" not in response.read()
+        scraped = scrape(base)
+        assert served(scraped) == {"mail"}
+        assert value(scraped, "dramatiq_gp_exporter_queues_left_out") == 4
+        rdb.sadd(recorded, *(f"junk{i}" for i in range(2 * MAX_QUEUES)))
+        scraped = scrape(base)
+    assert 0 < len(served(scraped)) <= MAX_QUEUES
+    assert value(scraped, "dramatiq_gp_exporter_queues_left_out") == 2 * MAX_QUEUES + 5 - len(served(scraped))
