@@ -18,7 +18,6 @@ next process to start (:func:`forget_dead_groups`).
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import shutil
@@ -116,12 +115,15 @@ def groups(kind: str, namespace: str, *parts: object) -> dict[int, Path]:
 
 
 def forget_dead_groups(kind: str) -> None:
-    """Remove the ``kind`` directories of groups whose ``dramatiq`` command has ended (killed, it left them)."""
-    with contextlib.suppress(FileNotFoundError):
-        for path in root().iterdir():
-            pid = path.name.rpartition("-")[2]
-            if path.name.startswith(f"{kind}-") and pid.isdigit() and not alive(int(pid)):
-                shutil.rmtree(path, ignore_errors=True)
+    """Remove the ``kind`` directories of groups whose ``dramatiq`` command has ended (killed, it left them).
+
+    Raises:
+        UnsafeDirectory: :func:`root` is not this user's alone (nothing is removed through another's).
+    """
+    for path in _root().iterdir():
+        pid = path.name.rpartition("-")[2]
+        if path.name.startswith(f"{kind}-") and pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def forget_the_dead(directory: Path) -> None:

@@ -64,8 +64,9 @@ def snapshot_dir(namespace: str, port: int) -> Path:
     """
     configured = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not configured:
+        directory = groupdir.group_dir(KIND, namespace, port)
         groupdir.forget_dead_groups(KIND)
-        return groupdir.group_dir(KIND, namespace, port)
+        return directory
     try:
         return groupdir.private(Path(configured), others_may_read=True)
     except UnsafeDirectory as exc:
