@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "records",
             "tracecontext",
             "metrics",
+            "groupdir",
             "endpoint",
             "health",
             "prometheus",

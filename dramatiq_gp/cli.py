@@ -1112,21 +1112,37 @@ def dashboard(host: str, port: int, read_only: bool, store_entries: bool) -> Non
 @main.command()
 @click.option("--ready", is_flag=True, help="ready, not only alive: booted, dependencies answering, not draining")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object: the verdict and every process's report")
-def health(ready: bool, as_json: bool) -> None:
+@click.option(
+    "--group",
+    type=click.IntRange(1),
+    metavar="PID",
+    help="only the worker processes of the dramatiq command of this pid (what its --pid-file holds)",
+)
+def health(ready: bool, as_json: bool, group: int | None) -> None:
     """Whether the worker processes on this machine (this container) are alive, or ready; exit code 0 or 1.
 
     For an exec probe: it reads the reports the worker processes of this namespace
     write locally every WORKER_HEALTH_INTERVAL, so it needs no port and no network,
-    and answers when Redis/Valkey is down (alive, not ready).
+    and answers when Redis/Valkey is down (alive, not ready). It reads those of
+    every running dramatiq command of this user and namespace, or of the one --group
+    names; finding none, it says where it looked.
 
     \b
     Example:
       dramatiq-gp health --ready
     """
-    from .health import read, state_dir
+    from . import groupdir
+    from .errors import UnsafeDirectory
+    from .health import KIND, read
 
-    settings = _settings()
-    verdict = read(state_dir(settings.redis.namespace))
+    namespace = _settings().redis.namespace
+    try:
+        found = groupdir.groups(KIND, namespace)
+    except UnsafeDirectory as exc:
+        raise click.ClickException(str(exc)) from None
+    directories = [found[group]] if group in found else [] if group else list(found.values())
+    where = groupdir.root() / groupdir.name(KIND, namespace, group or "<pid>")
+    verdict = read(directories, where=str(where))
     if as_json:
         click.echo(json.dumps(verdict.as_dict()))
     ok = verdict.ready if ready else verdict.alive
@@ -1240,9 +1256,7 @@ def exporter(host: str, port: int) -> None:
     Example:
       dramatiq-gp exporter --port 9191
     """
-    from http.server import ThreadingHTTPServer
-
-    from .endpoint import handler
+    from .endpoint import Server
     from .exporter import Exporter
 
     settings = _settings()
@@ -1255,7 +1269,7 @@ def exporter(host: str, port: int) -> None:
         context.call_on_close(engine.dispose)
     metrics = Exporter(settings, client, engine)
     try:
-        server = ThreadingHTTPServer((host, port), handler({"/metrics": metrics.scrape}))
+        server = Server("exporter", (host, port), {"/metrics": metrics.scrape})
     except OSError as exc:
         raise click.ClickException(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
     reading = [settings.redis.display(), *([settings.rabbitmq.display()] if settings.rabbitmq.url else [])]

@@ -99,6 +99,13 @@ class BrokerMismatch(GPError, MiddlewareError):
     """
 
 
+class UnsafeDirectory(GPError, PermissionError):
+    """A directory the kit would share state in is not the user's alone (another user's, open to others, a link).
+
+    Its message names the directory and what is wrong with it, in one line.
+    """
+
+
 class HandlerPanic(GPError):
     """A handler raised a ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``...).
 

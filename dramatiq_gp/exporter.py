@@ -10,7 +10,11 @@ Each scrape reads afresh what the dashboard reads, through the same seams (the
 broker kind's :class:`~dramatiq_gp.brokers.view.QueueView`,
 :func:`~dramatiq_gp.scheduler.status.scheduler_status`,
 :func:`~dramatiq_gp.status.outbox_status`), bounded by the number of queues,
-workers and entries, never by the messages: no keyspace scan. It needs none of the
+workers and entries, never by the messages: no keyspace scan. The queues are the
+names the workers recorded in ``<ns>:gp:queues``, which anyone who may write to
+Redis can add to: a name off the queue-name grammar is left out, and a scrape reads
+at most :data:`MAX_QUEUES` of them (``dramatiq_gp_exporter_queues_left_out`` counts
+what it left). It needs none of the
 dashboard's web packages. A source that cannot be read (Redis/Valkey, RabbitMQ, PostgreSQL)
 is ``dramatiq_gp_exporter_source_up 0`` and its series are left out; the others
 still serve. Only two things are remembered between scrapes, as no single read
@@ -20,14 +24,17 @@ queue no worker has yet received from has had messages ready.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import redis
 import sqlalchemy as sa
+from dramatiq.common import q_name
 
 from . import keys
 from .brokers.kinds import view_for
@@ -36,8 +43,15 @@ from .health import recorded
 from .prometheus import exposition
 from .records import text
 from .scheduler.status import scheduler_status
-from .settings import Settings
+from .settings import QUEUE_NAME, Settings
 from .status import LIVE_MS, outbox_status
+
+logger = logging.getLogger(__name__)
+
+#: The most queues one scrape reads and counts: ``<ns>:gp:queues`` is a set anyone who may write to Redis can fill.
+MAX_QUEUES = 1000
+#: The most worker processes one scrape reads the health of (their heartbeats, too, are anyone's to write).
+MAX_WORKERS = 1000
 
 #: Every metric the exporter serves: name → (Prometheus type, help). Alert rules and dashboards use these names.
 METRICS: dict[str, tuple[str, str]] = {
@@ -68,6 +82,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "dramatiq_gp_schedule_paused": ("gauge", "1 when a schedule entry is paused, else 0."),
     "dramatiq_gp_worker_alive": ("gauge", "1 when a worker process reports itself alive, else 0."),
     "dramatiq_gp_worker_ready": ("gauge", "1 when a worker process reports itself ready, else 0."),
+    "dramatiq_gp_exporter_queues_left_out": (
+        "gauge",
+        f"Names in <ns>:gp:queues not served: not queue names, or past the {MAX_QUEUES} one scrape reads.",
+    ),
     "dramatiq_gp_exporter_source_up": (
         "gauge",
         "1 when the exporter could read a source (redis, rabbitmq, postgresql), else 0.",
@@ -97,6 +115,8 @@ class Exporter:
         self._ready_seen: dict[str, int] = {}
         #: When (monotonic) this exporter first saw no leader, None while one leads.
         self._leaderless_since: float | None = None
+        #: How many recorded names the last scrape left out, to log only a change.
+        self._left_out = 0
 
     def scrape(self) -> Response:
         """The answer to ``GET /metrics``."""
@@ -172,14 +192,14 @@ class Exporter:
     def _workers(self, into: Samples, now_ms: int) -> None:
         """Each worker process with a heartbeat in the last :data:`~dramatiq_gp.status.LIVE_MS` (as the dashboard
         lists them) and a health record, judged by :func:`~dramatiq_gp.health.recorded` (a stale one is 0 for
-        both). A process that stopped cleanly took its record away, and is not listed."""
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.zrangebyscore(keys.heartbeats(self.namespace), now_ms - LIVE_MS, "+inf")
-            pipe.hgetall(keys.health(self.namespace))
-            live, records = pipe.execute()
+        both). A process that stopped cleanly took its record away, and is not listed. At most
+        :data:`MAX_WORKERS`, the most recent first."""
+        heartbeats = keys.heartbeats(self.namespace)
+        newest = self.client.zrevrangebyscore(heartbeats, "+inf", now_ms - LIVE_MS, start=0, num=MAX_WORKERS)
+        live = cast(list[bytes], newest)
+        records = self.client.hmget(keys.health(self.namespace), live) if live else []
         interval_ms = self.settings.worker.health_interval.total_seconds() * 1000
-        for broker_id in live:
-            raw = records.get(broker_id)
+        for broker_id, raw in zip(live, records, strict=True):
             if raw is None:
                 continue  # a process of a version that does not record its health
             health = recorded(raw, now_ms, interval_ms)
@@ -190,14 +210,14 @@ class Exporter:
     def _queues(self, into: Samples, now_ms: int) -> None:
         """Each queue's counts by state, and the age of its oldest ready message.
 
-        A count that cannot be known now (RabbitMQ, after an unconfirmed send; a name
-        that is not UTF-8) is left out. On RabbitMQ the age is an estimate
+        A count that cannot be known now (RabbitMQ, after an unconfirmed send) is left
+        out. On RabbitMQ the age is an estimate
         (:meth:`~dramatiq_gp.brokers.rabbitmq_view.RabbitmqQueueView.ready_since`); before any
         worker received from a queue, it counts from when this exporter first saw the
         queue with messages ready.
         """
         view = self.queue_view
-        counts = view.counts()
+        counts = view.counts(self._queue_names(into))
         waiting = [row["name"] for row in counts if row["ready"]]
         since = view.ready_since(waiting) if waiting else {}
         for row in counts:
@@ -216,6 +236,30 @@ class Exporter:
             _gauge(into, "dramatiq_gp_queue_oldest_ready_age_seconds", queue, age)
         for gone in self._ready_seen.keys() - {row["name"] for row in counts}:
             del self._ready_seen[gone]
+
+    def _queue_names(self, into: Samples) -> list[str]:
+        """The queues to count: at most :data:`MAX_QUEUES` of the names recorded, those of the queue-name grammar
+        (:data:`~dramatiq_gp.settings.QUEUE_NAME`, no delay or dead-letter queue, none of Dramatiq's own)."""
+        key = keys.declared_queues(self.namespace)
+        recorded = self.client.scard(key)
+        members = self.client.smembers(key) if recorded <= MAX_QUEUES else self.client.sscan_iter(key, count=100)
+        names = sorted(
+            name
+            for name in (text(member) for member in itertools.islice(members, MAX_QUEUES))
+            if QUEUE_NAME.fullmatch(name) and q_name(name) == name and not name.startswith("__")
+        )
+        left_out = recorded - len(names)
+        _gauge(into, "dramatiq_gp_exporter_queues_left_out", (), left_out)
+        changed, self._left_out = left_out != self._left_out, left_out
+        if left_out and changed:
+            logger.warning(
+                "exporter: %d of the %d names in %s left out (not queue names, or past the %d a scrape reads)",
+                left_out,
+                recorded,
+                key,
+                MAX_QUEUES,
+            )
+        return names
 
     def _outbox(self, into: Samples) -> None:
         status = outbox_status(self.engine)

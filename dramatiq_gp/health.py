@@ -13,12 +13,13 @@ Two states, as an orchestrator's two probes ask them:
 
 Each worker process runs its checks on a thread of its own every
 ``WORKER_HEALTH_INTERVAL`` (a check that hangs is reported as hanging, and never
-blocks a probe), and writes its report to ``<dir>/<pid>.json``, one directory per
-namespace under the system's temporary directory, which every process of a
-``dramatiq -p N`` group shares. ``dramatiq-gp health`` (an exec probe) and the
+blocks a probe), and writes its report to ``<dir>/<pid>.json``, in the directory of
+its ``dramatiq -p N`` group (:mod:`dramatiq_gp.groupdir`: private to the user, one per
+group and namespace). ``dramatiq-gp health`` (an exec probe) reads the directories of
+every group of the namespace on the machine (or of the one it is given), and the
 ``/livez`` and ``/readyz`` routes (``WORKER_HEALTH_PORT``, served by one process of
-the group) read that directory, so they answer for every process of the container
-and need no network. A report older than :data:`STALE_INTERVALS` intervals means
+the group) read their group's, so they answer for every process of the group and
+need no network. A report older than :data:`STALE_INTERVALS` intervals means
 its process has stopped reporting: it counts as not alive. Each process also
 records its report in Redis (``<ns>:gp:health``), for the exporter and the dashboard.
 """
@@ -30,7 +31,6 @@ import json
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -40,8 +40,8 @@ from typing import Any, TypeGuard
 
 import redis
 
-from . import keys
-from .endpoint import Endpoint, Response, alive, forget_the_dead
+from . import groupdir, keys
+from .endpoint import Endpoint, Response
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,8 @@ STOP_WAIT_S = 1.0
 ERROR_CHARS = 200
 
 
-def state_dir(namespace: str) -> Path:
-    """Where the worker processes of ``namespace`` on this machine (this container) write their reports."""
-    return Path(tempfile.gettempdir()) / f"dramatiq-gp-health-{namespace}"
+#: What a directory of health reports is called in :mod:`dramatiq_gp.groupdir`.
+KIND = "health"
 
 
 @dataclass
@@ -104,19 +103,22 @@ class Verdict:
         }
 
 
-def read(directory: Path, now_ms: int | None = None) -> Verdict:
-    """The health of the live worker processes reporting in ``directory``; no process reporting is neither."""
+def read(directories: Iterable[Path], now_ms: int | None = None, *, where: str = "") -> Verdict:
+    """The health of the live worker processes reporting in ``directories``; no process reporting is neither,
+    and says it looked ``where`` (by default, the directories)."""
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
+    directories = list(directories)
     reports = []
-    for path in sorted(directory.glob("*.json")):
-        if not path.stem.isdigit() or not alive(int(path.stem)):
+    for path in sorted(p for directory in directories for p in directory.glob("*.json")):
+        if not path.stem.isdigit() or not groupdir.alive(int(path.stem)):
             continue  # its process is gone (the dramatiq parent ends the group when a child dies)
         try:
-            reports.append(Report(**json.loads(path.read_text())))
+            reports.append(Report(**json.loads(groupdir.read(path))))
         except (OSError, ValueError, TypeError):
             continue  # being replaced right now
     if not reports:
-        return Verdict(False, False, [], ["no worker process has reported here"])
+        where = where or ", ".join(map(str, directories)) or "no directory"
+        return Verdict(False, False, [], [f"no worker process has reported in {where}"])
     dead, unready = [], []
     for report in reports:
         if report.stale(now_ms):
@@ -168,7 +170,7 @@ def routes(directory: Path) -> dict[str, Callable[[], Response]]:
 
     def answer(state: str) -> Callable[[], Response]:
         def route() -> Response:
-            verdict = read(directory)
+            verdict = read([directory])
             ok = verdict.alive if state == "alive" else verdict.ready
             return 200 if ok else 503, "application/json", json.dumps(verdict.as_dict()).encode()
 
@@ -181,7 +183,7 @@ class Monitor:
     """Judges this worker process's health every ``interval_s`` and reports it (file, Redis, endpoint).
 
     Parameters:
-        namespace: whose directory and Redis hash the report goes to.
+        namespace: whose group directory and Redis hash the report goes to.
         interval_s: ``WORKER_HEALTH_INTERVAL``.
         checks: named checks, run in order every interval on one thread: the kit's (Redis,
             the broker, the database) and the application's.
@@ -204,9 +206,12 @@ class Monitor:
         self.liveness: Callable[[], list[str]] = list
         self.checks = list(checks)
         self.client, self.broker_id = client, broker_id
-        self.directory = state_dir(namespace)
+        self.port, self.host = port, host
+        #: This process's group's directory of reports, made (or checked) by :meth:`booting`.
+        self.directory = groupdir.root() / groupdir.name(KIND, namespace, groupdir.group())
         self.path = self.directory / f"{os.getpid()}.json"
-        self._endpoint = Endpoint("health", host, port, routes(self.directory)) if port else None
+        self._endpoint: Endpoint | None = None
+        self._made = False  # the directory is made and checked: this process may remove its file there
         self._booted = False
         self._draining = False
         self._failing: list[str] = []
@@ -218,11 +223,18 @@ class Monitor:
         self._threads: list[threading.Thread] = []
 
     def booting(self) -> None:
-        """Report alive and not yet ready, so a liveness probe passes while the process boots."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        forget_the_dead(self.directory)
+        """Report alive and not yet ready, so a liveness probe passes while the process boots.
+
+        Raises:
+            UnsafeDirectory: the group's directory, or the user's one holding it, is not the user's alone.
+        """
+        self.directory = groupdir.group_dir(KIND, self.namespace)
+        self._made = True
+        groupdir.forget_dead_groups(KIND)
+        groupdir.forget_the_dead(self.directory)
         self._write(self._report())
-        if self._endpoint is not None:
+        if self.port:
+            self._endpoint = Endpoint("health", self.host, self.port, routes(self.directory))
             self._endpoint.start()
 
     def start(self, liveness: Callable[[], list[str]]) -> None:
@@ -255,9 +267,10 @@ class Monitor:
             thread.join(STOP_WAIT_S)
         if self._endpoint is not None:
             self._endpoint.close()
-        self.path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # not empty: another process of the group still reports there
-            self.directory.rmdir()
+        if self._made:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: another process of the group still reports there
+                self.directory.rmdir()
         if self.client is not None:
             try:
                 self.client.hdel(keys.health(self.namespace), self.broker_id)
@@ -288,12 +301,10 @@ class Monitor:
 
     def _write(self, report: Report) -> None:
         with self._lock:  # the drain's write and the thread's must not interleave on the temporary file
-            temporary = self.path.with_suffix(".tmp")
             try:
                 # Again each time: the last process of a group to stop removes it, as another may be starting.
-                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-                temporary.write_text(json.dumps(asdict(report)))
-                temporary.replace(self.path)
+                groupdir.private(self.directory)
+                groupdir.write(self.path, json.dumps(asdict(report)).encode())
             except OSError as exc:
                 logger.warning("could not write this worker's health report %s: %s", self.path, exc)
 

@@ -8,9 +8,12 @@ and if it goes away another takes over within an interval. A scrape adds up
 counters and histograms over all snapshots (a process that exited keeps its
 counts) and shows gauges per live process, with a ``pid`` label.
 
-The directory is ``PROMETHEUS_MULTIPROC_DIR`` when set, else one per namespace
-and port under the system's temporary directory; snapshots of dead processes
-are removed when a process starts.
+The directory is ``PROMETHEUS_MULTIPROC_DIR`` when set (the user's, not writable by
+others), else the group's own, per namespace and port (:mod:`dramatiq_gp.groupdir`:
+private to the user, refused if not); snapshots of dead processes, and the
+directories of ended groups, are removed when a process starts. What a scrape reads
+back from a snapshot is checked again: a sample whose name, kind or labels are not
+Prometheus's is left out, and help text and label values are escaped.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -37,19 +39,38 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
-from .endpoint import Endpoint, Response, alive, forget_the_dead
+from . import groupdir
+from .endpoint import Endpoint, Response
+from .errors import UnsafeDirectory
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[^a-zA-Z0-9_:]")
 _UNITS = {"s": "seconds", "ms": "milliseconds", "By": "bytes"}
+#: Prometheus's grammar of a metric name and of a label name.
+METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+KINDS = ("counter", "gauge", "histogram")
+#: What a group's snapshot directory is called in :mod:`dramatiq_gp.groupdir`.
+KIND = "metrics"
 
 
 def snapshot_dir(namespace: str, port: int) -> Path:
+    """Where this process's group meets: ``PROMETHEUS_MULTIPROC_DIR``, else the group's own directory.
+
+    Raises:
+        UnsafeDirectory: the directory is another user's, open to others (writable, for one the user chose), or a
+            symbolic link.
+    """
     configured = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    path = Path(configured) if configured else Path(tempfile.gettempdir()) / f"dramatiq-gp-metrics-{namespace}-{port}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    if not configured:
+        directory = groupdir.group_dir(KIND, namespace, port)
+        groupdir.forget_dead_groups(KIND)
+        return directory
+    try:
+        return groupdir.private(Path(configured), others_may_read=True)
+    except UnsafeDirectory as exc:
+        raise UnsafeDirectory(f"PROMETHEUS_MULTIPROC_DIR: {exc}") from None
 
 
 def prometheus_name(name: str, unit: str, kind: str) -> str:
@@ -69,7 +90,7 @@ class SnapshotReader(MetricReader):
         self.path = directory / f"{os.getpid()}.json"
         self._interval = interval_ms / 1000
         self._stop = threading.Event()
-        forget_the_dead(directory)
+        groupdir.forget_the_dead(directory)
         self._thread = threading.Thread(target=self._run, name="metrics-snapshot", daemon=True)
         self._thread.start()
 
@@ -82,9 +103,7 @@ class SnapshotReader(MetricReader):
 
     def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
         samples = list(_samples(metrics_data))
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"pid": os.getpid(), "samples": samples}))
-        temporary.replace(self.path)
+        groupdir.write(self.path, json.dumps({"pid": os.getpid(), "samples": samples}).encode())
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self._stop.set()
@@ -138,22 +157,26 @@ def render(directory: Path) -> str:
     values: dict[str, dict[tuple[tuple[str, str], ...], Any]] = defaultdict(dict)
     for path in sorted(directory.glob("*.json")):
         try:
-            snapshot = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced right now, or gone
-        pid = int(snapshot["pid"])
-        live = alive(pid)
-        for sample in snapshot["samples"]:
+            snapshot = json.loads(groupdir.read(path))
+            pid = int(snapshot["pid"])
+            samples = [sample for sample in snapshot["samples"] if _valid(sample)]
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # being replaced right now, gone, or not a snapshot
+        live = groupdir.alive(pid)
+        for sample in samples:
             kind = sample["kind"]
             labels = dict(sample["labels"])
             if kind == "gauge":
                 if not live:
                     continue
                 labels["pid"] = str(pid)
-            families.setdefault(sample["name"], {"kind": kind, "help": sample["help"]})
+            if families.setdefault(sample["name"], {"kind": kind, "help": sample["help"]})["kind"] != kind:
+                continue  # another snapshot has it of another kind
             key = tuple(sorted(labels.items()))
             seen = values[sample["name"]].get(key)
             if kind == "histogram":
+                if seen is not None and len(seen["counts"]) != len(sample["counts"]):
+                    continue  # other buckets than another snapshot's
                 if seen is None:
                     empty = {"bounds": sample["bounds"], "counts": [0] * len(sample["counts"]), "sum": 0.0, "count": 0}
                     seen = values[sample["name"]][key] = empty
@@ -163,6 +186,35 @@ def render(directory: Path) -> str:
             else:
                 values[sample["name"]][key] = (seen or 0) + sample["value"]
     return exposition(families, values)
+
+
+def _valid(sample: Any) -> bool:
+    """Whether ``sample``, read back from a snapshot, is one :func:`_samples` could have written."""
+    if not isinstance(sample, dict):
+        return False
+    name, labels = sample.get("name"), sample.get("labels")
+    if not (
+        isinstance(name, str)
+        and METRIC_NAME.fullmatch(name)
+        and sample.get("kind") in KINDS
+        and isinstance(sample.get("help"), str)
+        and isinstance(labels, dict)
+        and all(isinstance(k, str) and LABEL_NAME.fullmatch(k) and isinstance(v, str) for k, v in labels.items())
+    ):
+        return False
+    if sample["kind"] != "histogram":
+        return _numeric(sample.get("value"))
+    bounds, counts = sample.get("bounds"), sample.get("counts")
+    return (
+        isinstance(bounds, list)
+        and isinstance(counts, list)
+        and len(counts) == len(bounds) + 1
+        and all(map(_numeric, [*bounds, *counts, sample.get("sum"), sample.get("count")]))
+    )
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def exposition(
@@ -175,7 +227,7 @@ def exposition(
         family = families[name]
         kind = family["kind"]
         if family["help"]:
-            lines.append(f"# HELP {name} {family['help']}")
+            lines.append(f"# HELP {name} {_escape_help(family['help'])}")
         lines.append(f"# TYPE {name} {kind}")
         for key, value in sorted(values[name].items()):
             if kind != "histogram":
@@ -197,7 +249,22 @@ def _labels(pairs: Iterable[tuple[str, str]]) -> str:
 
 
 def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    escaped = value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return _CONTROL.sub(_code, escaped)
+
+
+def _escape_help(text: str) -> str:
+    return _CONTROL.sub(_code, text.replace("\\", "\\\\").replace("\n", "\\n"))
+
+
+#: Characters the text format allows raw in a label value or help text but which end a line for some readers
+#: (Python's ``splitlines``, a terminal): written as ``\xHH`` (``\uHHHH``), which Prometheus reads as text.
+_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f\x85\u2028\u2029]")
+
+
+def _code(found: re.Match[str]) -> str:
+    char = ord(found[0])
+    return f"\\x{char:02x}" if char < 0x100 else f"\\u{char:04x}"
 
 
 def _number(value: float) -> str:

@@ -791,6 +791,11 @@ if MODE == "import":
 
 class Probe(Middleware):
     def after_process_boot(self, broker):
+        if MODE == "group":
+            import multiprocessing
+
+            note(f"group {multiprocessing.parent_process().pid}")
+            return
         note("after_process_boot")
         if MODE == "process_boot":
             raise SystemExit(cli.RET_CONNECT)
@@ -833,7 +838,9 @@ dramatiq.set_broker(
 """
 
 
-def _dramatiq_command(tmp_path: Path, namespace: str, redis_url: str, mode: str) -> subprocess.Popen[bytes]:
+def _dramatiq_command(
+    tmp_path: Path, namespace: str, redis_url: str, mode: str, *, processes: int = 1, args: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     (tmp_path / "probe_app.py").write_text(PROBE_APP)
     env = {
         **os.environ,
@@ -849,11 +856,12 @@ def _dramatiq_command(tmp_path: Path, namespace: str, redis_url: str, mode: str)
         "dramatiq",
         "probe_app",
         "--processes",
-        "1",
+        str(processes),
         "--threads",
         "1",
         "--worker-shutdown-timeout",
         "1234",
+        *args,
     ]
     with open(tmp_path / "log", "wb") as log:
         # A session of its own, so a failed test can end the worker processes too, not only the parent.
@@ -935,6 +943,24 @@ def test_the_worker_processs_sigterm_handler_and_the_locals_of_the_frame_it_inte
         "signal in worker_process: timeout=1234 worker=Worker broker=RedisBroker",
         "stop timeout=1234",
     ]
+
+
+@pytest.mark.parametrize("start", ["default", "--use-spawn"])
+def test_the_cli_starts_each_worker_process_as_a_multiprocessing_child_of_its_main_process(
+    tmp_path, namespace, redis_url, start
+):
+    # The kit names a group's directory after parent_process().pid, which every worker process of it agrees on.
+    args = () if start == "default" else (start,)
+    process = _dramatiq_command(tmp_path, namespace, redis_url, "group", processes=2, args=args)
+
+    def groups() -> list[str]:
+        return [line for line in _trace(tmp_path) if line.startswith("group ")]
+
+    try:
+        wait_for(lambda: len(groups()) == 2, timeout=30)
+    finally:
+        _end(process)
+    assert groups() == [f"group {process.pid}"] * 2
 
 
 def test_a_consumer_thread_stops_through_its_stop_attribute_and_holds_its_consumer(connect, namespace):

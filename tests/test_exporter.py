@@ -16,6 +16,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import dramatiq
 import pytest
@@ -26,7 +27,8 @@ import dramatiq_gp as gp
 from dramatiq_gp import keys
 from dramatiq_gp.brokers.kinds import view_for
 from dramatiq_gp.brokers.redis_view import RedisQueueView
-from dramatiq_gp.exporter import METRICS
+from dramatiq_gp.endpoint import MAX_CONNECTIONS
+from dramatiq_gp.exporter import MAX_QUEUES, METRICS
 from dramatiq_gp.scheduler.dynamic import EventByName
 from helpers import publish_schedulable, wait_for
 
@@ -37,6 +39,13 @@ Scraped = dict[str, dict[frozenset[tuple[str, str]], float]]
 @contextlib.contextmanager
 def exporter(**env: str) -> Iterator[str]:
     """A ``dramatiq-gp exporter`` process on a free port, with this test's environment and ``env``; its URL."""
+    with exporter_process(**env) as (_, base):
+        yield base
+
+
+@contextlib.contextmanager
+def exporter_process(**env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """:func:`exporter`, with its process."""
     process = subprocess.Popen(
         [sys.executable, "-m", "dramatiq_gp", "exporter", "--host", "127.0.0.1", "--port", "0"],
         env={**os.environ, **env},
@@ -49,7 +58,7 @@ def exporter(**env: str) -> Iterator[str]:
         line = process.stdout.readline()
         served = re.match(r"exporter on http://127\.0\.0\.1:(\d+)/metrics reading ", line)
         assert served, f"{line!r} {process.communicate(timeout=10)}"
-        yield f"http://127.0.0.1:{served[1]}"
+        yield process, f"http://127.0.0.1:{served[1]}"
     finally:
         process.terminate()
         process.communicate(timeout=10)
@@ -402,3 +411,47 @@ def test_bad_settings_and_a_port_taken_end_it_in_one_line(clean_env, namespace):
         busy = subprocess.run([*command, "--port", str(port)], capture_output=True, text=True, timeout=60)
     assert busy.returncode == 1
     assert busy.stderr.splitlines() == [f"Error: cannot serve on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_recorded_names_off_the_queue_grammar_are_left_out_and_a_scrape_counts_at_most_max_queues(
+    clean_env, namespace, rdb
+):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    recorded = keys.declared_queues(namespace)
+    # Anyone who may write to Redis can add to the set the workers record their queues in.
+    rdb.sadd(recorded, "mail", "bad\rname", "two words", "mail.XQ", "__acks__")
+
+    def served(scraped: Scraped) -> set[str]:
+        return {dict(labels)["messaging_destination_name"] for labels in scraped["dramatiq_gp_queue_messages"]}
+
+    with exporter() as base:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            assert b"\r" not in response.read()
+        scraped = scrape(base)
+        assert served(scraped) == {"mail"}
+        assert value(scraped, "dramatiq_gp_exporter_queues_left_out") == 4
+        rdb.sadd(recorded, *(f"junk{i}" for i in range(2 * MAX_QUEUES)))
+        scraped = scrape(base)
+    assert 0 < len(served(scraped)) <= MAX_QUEUES
+    assert value(scraped, "dramatiq_gp_exporter_queues_left_out") == 2 * MAX_QUEUES + 5 - len(served(scraped))
+
+
+def test_idle_connections_hold_a_bounded_number_of_threads_while_a_scrape_is_answered(clean_env, namespace):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    with exporter_process() as (process, base):
+        port = int(base.rpartition(":")[2])
+        threads = _threads(process.pid)
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3 * MAX_CONNECTIONS)]
+        try:
+            assert value(scrape(base), "dramatiq_gp_exporter_source_up", source="redis") == 1
+            assert _threads(process.pid) <= threads + MAX_CONNECTIONS
+            cut = [connection for connection in idle[: 2 * MAX_CONNECTIONS] if connection.recv(1) == b""]
+            assert len(cut) == 2 * MAX_CONNECTIONS  # the oldest, at once, to make room for newer ones
+        finally:
+            for connection in idle:
+                connection.close()
+
+
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))

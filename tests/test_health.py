@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ import redis
 import dramatiq_gp as gp
 from devtools.services import server_port
 from dramatiq_gp import keys
+from dramatiq_gp.endpoint import MAX_CONNECTIONS
 from helpers import wait_for
 from servers import OwnRabbitmq, OwnRedis, skip_without_rabbitmq
 
@@ -38,8 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent
 class Worker:
     """``dramatiq tests.apps.health_app -p <processes>`` with its health endpoint on a port of its own."""
 
-    def __init__(self, tmp_path: Path, redis_url: str, processes: int = 2, **env: str) -> None:
-        self.namespace = f"gp-health-{uuid.uuid4().hex[:8]}"
+    def __init__(
+        self, tmp_path: Path, redis_url: str, processes: int = 2, namespace: str | None = None, **env: str
+    ) -> None:
+        self.namespace = namespace or f"gp-health-{uuid.uuid4().hex[:8]}"
         self.port = server_port()
         self.marker = tmp_path / "unhealthy"
         self.env = {
@@ -237,3 +241,122 @@ def test_rabbitmq_down_makes_a_worker_with_its_queues_there_not_ready_but_still_
         worker.kill()
         node.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _children(worker: Worker) -> set[int]:
+    """The pids of the worker processes its ``dramatiq`` command started."""
+    found = subprocess.run(["pgrep", "-P", str(worker.process.pid)], capture_output=True, text=True).stdout
+    return {int(pid) for pid in found.split()}
+
+
+def test_two_groups_of_one_namespace_on_one_machine_each_answer_for_their_own_processes(
+    tmp_path: Path, redis_url: str
+) -> None:
+    namespace, shared_tmp = f"gp-health-{uuid.uuid4().hex[:8]}", tmp_path / "tmp"
+    shared_tmp.mkdir()
+    groups = []
+    try:
+        for name, processes in (("a", 2), ("b", 1)):
+            (tmp_path / name).mkdir()
+            groups.append(Worker(tmp_path / name, redis_url, processes, namespace, TMPDIR=str(shared_tmp)))
+        a, b = groups
+        _ready(a, 2)
+        _ready(b, 1)
+        assert {p["pid"] for p in a.probe("/readyz")[1]["processes"]} == _children(a)
+        assert {p["pid"] for p in b.probe("/readyz")[1]["processes"]} == _children(b)
+
+        b.marker.write_text("index unreachable")
+        _failing_everywhere(b, "search_index: index unreachable", processes=1)
+        status, body = a.probe("/readyz")
+        assert status == 200 and len(body["processes"]) == 2, body
+        # The CLI reads every group of the namespace, or the one it is given (the pid a --pid-file holds).
+        own = a.health("--ready", "--group", str(a.process.pid))
+        assert (own.returncode, own.stdout.strip()) == (0, "ready: 2 worker process(es)"), own.stderr
+        every = a.health("--ready")
+        assert every.returncode == 1 and "search_index: index unreachable" in every.stderr
+    finally:
+        for group in groups:
+            group.kill()
+    nothing = a.health("--group", str(a.process.pid))
+    looked = shared_tmp / f"dramatiq-gp-{os.geteuid()}" / f"health-{namespace}-{a.process.pid}"
+    assert nothing.returncode == 1
+    assert nothing.stderr.splitlines() == [f"Error: not alive: no worker process has reported in {looked}"]
+
+
+def _planted(tmp: Path, how: str) -> Path:
+    """This user's group directory under ``tmp``, made first as another user would, or open, or a link."""
+    planted = tmp / f"dramatiq-gp-{os.geteuid()}"
+    if how == "a symbolic link":
+        elsewhere = tmp / "elsewhere"
+        elsewhere.mkdir(mode=0o700)
+        planted.symlink_to(elsewhere)
+        return elsewhere
+    planted.mkdir()
+    planted.chmod(0o777)  # as another user's mkdir in a shared /tmp would leave it for the trap
+    if how == "another user's":
+        os.chown(planted, 65534, 65534)
+    (planted / "planted.json").write_text("{}")
+    return planted
+
+
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        pytest.param(
+            "another user's",
+            "it belongs to uid 65534, not to uid 0 running this",
+            marks=pytest.mark.skipif(os.geteuid() != 0, reason="only root can make a directory another user's"),
+        ),
+        ("open to others", "its mode 0777 lets other users in"),
+        ("a symbolic link", "it is a symbolic link"),
+    ],
+)
+def test_a_group_directory_not_the_users_alone_is_refused_in_one_line_and_nothing_is_written_there(
+    tmp_path: Path, redis_url: str, how: str, why: str
+) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    planted = _planted(tmp, how)
+    before = sorted(planted.iterdir())
+    worker = Worker(tmp_path, redis_url, processes=2, TMPDIR=str(tmp))
+    try:
+        assert worker.process.wait(60) == 2  # the dramatiq command's code for a start-up that failed on purpose
+    finally:
+        worker.kill()
+    expected = f"start-up failed: refusing {tmp / f'dramatiq-gp-{os.geteuid()}'}: {why}; remove it, or set TMPDIR"
+    failures = [line for line in worker.log.splitlines() if "start-up failed" in line]
+    # One line per worker process that got that far (the command stops the others once one exits).
+    assert 1 <= len(failures) <= 2 and all(expected in line for line in failures), worker.log
+    assert "Traceback" not in worker.log
+    assert sorted(planted.iterdir()) == before
+    refused = worker.health()
+    assert refused.returncode == 1
+    assert len(refused.stderr.splitlines()) == 1 and f"Error: refusing {tmp}" in refused.stderr, refused.stderr
+
+
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
+def test_idle_connections_are_cut_and_hold_a_bounded_number_of_threads_while_a_probe_is_answered(
+    tmp_path: Path, redis_url: str
+) -> None:
+    worker = Worker(tmp_path, redis_url, processes=1)
+    idle: list[socket.socket] = []
+    try:
+        _ready(worker, processes=1)
+        (serving,) = _children(worker)
+        threads = _threads(serving)
+        for _ in range(3 * MAX_CONNECTIONS):
+            idle.append(socket.create_connection(("127.0.0.1", worker.port), timeout=10))
+        status, body = worker.probe("/readyz")
+        assert status == 200 and body["ready"] is True
+        assert _threads(serving) <= threads + MAX_CONNECTIONS
+        # Each is cut: the oldest at once to make room, the last ones after READ_TIMEOUT_S without a request.
+        for connection in idle:
+            assert connection.recv(1) == b""
+    finally:
+        for connection in idle:
+            connection.close()
+        worker.kill()

@@ -42,14 +42,14 @@ from typing import Any
 import redis
 from dramatiq import ActorNotFound, Broker, Middleware, Worker, cli
 from dramatiq.broker import MessageProxy
-from dramatiq.cli import RET_CONNECT
+from dramatiq.cli import RET_CONNECT, RET_IMPORT
 from dramatiq.middleware import TimeLimit
 from dramatiq.worker import ConsumerThread
 
 from ..aio import CANCEL_WAIT_S, cancel_coroutines
 from ..brokers.base import KitBroker
 from ..durations import format_duration
-from ..errors import BrokerUnreachable
+from ..errors import BrokerUnreachable, UnsafeDirectory
 from ..health import WEDGED_AFTER_S, HealthCheck, Monitor
 from ..names import is_delay_queue
 from ..telemetry import Telemetry
@@ -204,10 +204,14 @@ class Lifecycle(Middleware):
 
     def after_process_boot(self, broker: Broker) -> None:
         # Here, in the worker process and after the fork, not when the app is imported.
-        if self.telemetry is not None:
-            self.telemetry.start()
         client = getattr(broker, "client", None)
-        self._start_health(broker, client if isinstance(client, redis.Redis) else None)
+        try:
+            if self.telemetry is not None:
+                self.telemetry.start()
+            self._start_health(broker, client if isinstance(client, redis.Redis) else None)
+        except UnsafeDirectory as exc:  # another user's, or open to others: nothing written there
+            self.logger.error("start-up failed: %s", exc)
+            raise SystemExit(RET_IMPORT) from None
         if not isinstance(client, redis.Redis):
             return
         where = self.display or _address(client)
