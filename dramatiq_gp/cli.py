@@ -1070,9 +1070,8 @@ def dashboard(host: str, port: int, read_only: bool, store_entries: bool) -> Non
       dramatiq-gp dashboard --port 8642 --read-only
     """
     try:
-        import uvicorn
-
         from .dashboard import create_app, loopback
+        from .dashboard.server import serve
     except ImportError as exc:
         raise click.ClickException(
             f"the dashboard needs the dashboard extra: pip install 'dramatiq-gp[dashboard]' ({exc})"
@@ -1099,11 +1098,7 @@ def dashboard(host: str, port: int, read_only: bool, store_entries: bool) -> Non
     app = create_app(settings, read_only=read_only, store_entries=store_entries, client=client, allowed_hosts=hosts)
     mode = " (read-only)" if read_only else " (storing schedule entries allowed)" if store_entries else ""
     click.echo(f"dashboard{mode} on http://{host}:{port}/ reading {settings.redis.display()}")
-    proxies = settings.dashboard.trusted_proxies
-    # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: anyone on the machine could forge the audit lines.
-    uvicorn.run(
-        app, host=host, port=port, log_level="warning", proxy_headers=bool(proxies), forwarded_allow_ips=proxies or ""
-    )
+    serve(app, host=host, port=port, trusted_proxies=settings.dashboard.trusted_proxies)
 
 
 # -- health ------------------------------------------------------------------------

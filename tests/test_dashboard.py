@@ -6,6 +6,7 @@ The browser half, against the shop's worker, is in ``test_dashboard_browser.py``
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 import logging
@@ -18,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -623,21 +625,20 @@ def test_a_post_from_a_page_of_another_origin_is_refused_and_logged(headers, sta
         assert paused and not refusals
 
 
-def test_the_command_answers_only_its_own_address_and_localhost_and_believes_no_forwarded_header(
-    clean_env, namespace, redis_url, rdb, tmp_path
-):
+@contextlib.contextmanager
+def _command(namespace: str, redis_url: str, log: Path, *args: str) -> Iterator[str]:
+    """``dramatiq-gp dashboard`` in a process of its own, on a free port; yields its base URL."""
     import socket
 
-    rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "VALKEY_NAMESPACE": namespace, "REDIS_URL": redis_url}
-    with open(tmp_path / "log", "wb") as log:
+    with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "dramatiq_gp", "dashboard", "--port", str(port)],
+            [sys.executable, "-m", "dramatiq_gp", "dashboard", "--port", str(port), *args],
             env=env,
-            stdout=log,
+            stdout=out,
             stderr=subprocess.STDOUT,
         )
     base = f"http://127.0.0.1:{port}"
@@ -650,16 +651,52 @@ def test_the_command_answers_only_its_own_address_and_localhost_and_believes_no_
                 return process.poll() is not None
 
         wait_for(up, timeout=30, interval=0.2)
+        assert process.poll() is None, log.read_text()
+        yield base
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_the_command_answers_only_its_own_address_and_localhost_and_believes_no_forwarded_header(
+    clean_env, namespace, redis_url, rdb, tmp_path
+):
+    rdb.hset(keys.SchedulerKeys(namespace).entries, "nightly", "0 3 * * *|UTC")
+    with _command(namespace, redis_url, tmp_path / "log") as base:
+        port = urllib.parse.urlsplit(base).port
         assert _raw_get(base, "/", f"localhost:{port}")[0] == 200
         assert _raw_get(base, "/", f"rebind.attacker.example:{port}")[0] == 400
         # uvicorn believes X-Forwarded-For from loopback by default: anyone on the machine could name the client.
         browser = Browser(base, {"X-Forwarded-For": "10.9.8.7"})
         token = browser.csrf("/scheduler")
         assert browser.open("/scheduler/nightly/pause", {"csrf": token, "confirmed": "yes"}).status == 200
-    finally:
-        process.terminate()
-        process.wait(30)
     assert "schedule pause by anonymous (dashboard, 127.0.0.1): entry nightly paused" in (tmp_path / "log").read_text()
+
+
+def test_the_command_cuts_connections_that_send_no_request_and_holds_a_bounded_number(
+    clean_env, namespace, redis_url, tmp_path
+):
+    import socket
+
+    from dramatiq_gp.endpoint import MAX_CONNECTIONS, READ_TIMEOUT_S
+
+    with _command(namespace, redis_url, tmp_path / "log") as base:
+        port = urllib.parse.urlsplit(base).port
+        # Silent sockets, and ones that send half a request's headers (uvicorn waited on both for ever).
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=3 * READ_TIMEOUT_S) for _ in range(40)]
+        for half in idle[-10:]:
+            half.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        try:
+            started = time.monotonic()
+            assert _raw_get(base, "/", f"127.0.0.1:{port}")[0] == 200  # a real request still gets in at once
+            cut = [connection.recv(1) for connection in idle]  # each is closed by the server: b""
+            assert cut == [b""] * len(idle)
+            assert time.monotonic() - started < 2 * READ_TIMEOUT_S
+        finally:
+            for connection in idle:
+                connection.close()
+    log = (tmp_path / "log").read_text()
+    assert f"dashboard: more than {MAX_CONNECTIONS} connections open at once: cutting the oldest one" in log
 
 
 def test_every_response_forbids_framing_caching_and_sniffing(clean_env, namespace):
