@@ -703,8 +703,13 @@ def schedule_list(prefix: str, limit: int, as_json: bool) -> None:
 
 
 def _json_option(raw: str, option: str, kind: type) -> Any:
+    from .records import TooDeep, json_value
+
     try:
-        value = json.loads(raw)
+        value = json_value(raw)
+    except TooDeep as exc:
+        _fail(f"{option}: {exc}")
+        raise
     except ValueError as exc:
         _fail(f"{option} {raw!r}: not JSON ({exc})")
         raise

@@ -243,6 +243,33 @@ def test_a_stored_record_that_cannot_be_read_is_listed_with_its_mark_and_the_res
     assert (odd.kind, odd.trigger) == ("unreadable", "(unreadable: KeyError('trigger'))")
 
 
+def test_arguments_nested_deeper_than_100_levels_are_refused_in_one_line_and_marked_when_read(
+    schedules, rdb, namespace
+):
+    deep: list = []
+    for _ in range(100):  # 101 levels in all
+        deep = [deep]
+    looped: list = []
+    looped.append(looped)
+    too_deep = "nested deeper than 100 levels"
+    assert _error(lambda: schedules.add("a", "@daily", "job", args=[deep])) == f"schedule entry 'a': args: {too_deep}"
+    assert _error(lambda: schedules.add("a", "@daily", "job", kwargs={"k": deep})).endswith(f"kwargs: {too_deep}")
+    assert _error(lambda: schedules.add("a", "@daily", "job", args=[looped])).endswith(f"args: {too_deep}")
+    assert _error(lambda: schedules.add("a", "@daily", EventByName("e", deep))).endswith(f"data: {too_deep}")
+    assert _error(lambda: schedules.add("a", "@daily", "job", extra=deep)).endswith(f"options: {too_deep}")
+    assert len(schedules) == 0
+    assert schedules.add("a", "@daily", "job", args=deep[0]) == "added"  # 100 levels are kept
+    for name, depth in (("b", 101), ("c", 5000)):  # written by hand: 5000 exhausts the parser's recursion
+        record = f'{{"zone": "UTC", "trigger": "@daily", "queue": "default", "args": {"[" * depth + "]" * depth}}}'
+        rdb.hset(f"{namespace}:scheduler:dynamic", name, record)
+        rdb.zadd(f"{namespace}:scheduler:names", {name: 0})
+    assert [(e.name, e.trigger) for e in schedules.list()] == [
+        ("a", "@daily"),
+        ("b", f"(unreadable: {too_deep})"),
+        ("c", f"(unreadable: {too_deep})"),
+    ]
+
+
 def _stored_firings(cluster: Cluster) -> dict[str, list[tuple[datetime, str]]]:
     by_entry = defaultdict(list)
     for data in cluster.client.hvals(f"{cluster.namespace}:default.msgs"):
@@ -416,6 +443,21 @@ def test_the_cli_adds_lists_previews_and_removes_stored_entries(clean_env, names
     assert cli("schedule", "remove", "digest.42").exit_code == 0
     gone = cli("schedule", "remove", "digest.42")
     assert gone.exit_code == 1 and "no stored schedule entry 'digest.42'" in gone.output
+
+
+def test_the_cli_refuses_arguments_data_and_options_nested_too_deep_in_one_line(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    deep = "[" * 5000 + "]" * 5000  # deeper than the parser recurses
+    given = {
+        ("--actor", "--args"): deep,
+        ("--actor", "--kwargs"): f'{{"k": {"[" * 100 + "]" * 100}}}',  # 101 levels
+        ("--event", "--data"): deep,
+        ("--actor", "--options"): f'{{"k": {deep}}}',
+    }
+    for (target, option), value in given.items():
+        done = CliRunner().invoke(main, ["schedule", "add", "x", "@daily", target, "job", option, value])
+        assert (done.exit_code, done.output) == (1, f"Error: {option}: nested deeper than 100 levels\n"), done.output
+    assert not rdb.exists(f"{namespace}:scheduler:dynamic")
 
 
 def test_a_stored_actor_entry_takes_overlap_and_its_runs_never_overlap(make_kit, start_worker):

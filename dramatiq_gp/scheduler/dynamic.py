@@ -50,7 +50,7 @@ from ..errors import EventEncodeError, EventError, PayloadMismatch
 from ..events import event_type, event_type_named
 from ..lua import scripts
 from ..names import EVENT_QUEUE, NAME
-from ..records import json_object, text, unreadable
+from ..records import RECORD_DEPTH, TooDeep, check_depth, json_object, json_value, text, unreadable
 from ..settings import QUEUE_NAME
 from .cron import CronError, parse
 from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known, zone_named
@@ -178,6 +178,11 @@ class Schedules:
         refuse_options(where, options)
         record = {"trigger": encode_trigger(when, zone, where), "zone": zone.key, "options": dict(options)}
         record.update(self._target(where, target, args, kwargs, queue))
+        for part in ("args", "kwargs", "data", "options"):
+            try:
+                check_depth(record.get(part))
+            except TooDeep as exc:
+                raise ScheduleError(f"{where}: {part}: {exc}") from None
         if overlap != "allow" and "event" in record:
             raise ScheduleError(f"{where}: overlap= is for an actor: an event's listeners run as tasks of their own")
         self._check_options(name, options)
@@ -362,7 +367,7 @@ def decode(name: str, record: Mapping[str, Any]) -> Entry:
 def decode_raw(name: str, raw: bytes | str) -> Entry:
     """:func:`decode` of the JSON as Redis holds it."""
     try:
-        record = json.loads(raw)
+        record = json_value(raw, RECORD_DEPTH)
     except ValueError as exc:
         raise ScheduleError(f"schedule entry {name!r}: unreadable stored entry ({exc})") from None
     if not isinstance(record, dict):
