@@ -1112,6 +1112,11 @@ def test_an_entry_stored_from_the_dashboard_is_confirmed_logged_with_who_and_fir
         # Deeper than the parser recurses (it was a 500 with a RecursionError), and one level past the limit.
         ({"data": "[" * 5000 + "]" * 5000}, "refused: data: nested deeper than 100 levels"),
         ({"event": "", "actor": "job", "args": "[" * 101 + "]" * 101}, "refused: args: nested deeper than 100 levels"),
+        # Its next fire was past the year 9999: a 500 with an OverflowError.
+        (
+            {"spec": "@every 999999999d"},
+            "refused: schedule entry 'bad': cron spec '@every 999999999d': @every takes an interval of at most 36525d",
+        ),
     ],
     ids=[
         "bad-spec",
@@ -1128,6 +1133,7 @@ def test_an_entry_stored_from_the_dashboard_is_confirmed_logged_with_who_and_fir
         "event-not-schedulable",
         "recursion",
         "deep",
+        "every-too-long",
     ],
 )
 def test_a_refused_entry_shows_its_one_line_and_nothing_is_stored(fields, shown, clean_env, namespace, rdb, targets):

@@ -67,6 +67,9 @@ def test_worker_variables(env):
         ("WORKER_QUEUES", "bad name", "'bad name' is not a queue name"),
         ("WORKER_STRICT_PRIORITY", "true", "WORKER_STRICT_PRIORITY=true needs WORKER_QUEUES"),
         ("WORKER_SHUTDOWN_TIMEOUT", "soon", "WORKER_SHUTDOWN_TIMEOUT='soon': 'soon' is not a duration"),
+        # Each was an OverflowError: longer than a timedelta holds.
+        ("WORKER_MIN_BACKOFF", "1e20", "WORKER_MIN_BACKOFF='1e20': '1e20' is longer than a duration can be"),
+        ("WORKER_SHUTDOWN_TIMEOUT", "9999999999d", "'9999999999d' is longer than a duration can be (999999999 days)"),
         ("WORKER_MAX_RETRIES", "-1", "WORKER_MAX_RETRIES='-1'"),
         ("WORKER_SETTLE_WINDOW", "2s", "WORKER_SETTLE_WINDOW='2s'"),
         ("WORKER_STRICT_PRIORITY", "maybe", "WORKER_STRICT_PRIORITY='maybe'"),

@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import dramatiq
@@ -89,6 +89,10 @@ def test_an_entry_is_checked_before_it_is_stored_and_refused_with_one_line(sched
     assert "args= and kwargs= are for an actor" in _error(lambda: schedules.add("a", "@daily", Ping(1), args=[1]))
     assert "an event instance, an actor" in _error(lambda: schedules.add("a", "@daily", 42))
     assert "more than" in _error(lambda: schedules.add("a", "@daily", "job", args=["x" * 20_000]))
+    # Each of these was an OverflowError: a tick, or the date, is past the year 9999 (or before the year 1).
+    assert "at most 36525d (100 years)" in _error(lambda: schedules.add("a", "@every 999999999d", Ping(1)))
+    for far in (datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-14))), datetime(1, 1, 1, tzinfo=UTC)):
+        assert "date is from 1970 to 100 years ahead" in _error(lambda: schedules.add("a", DateTrigger(far), Ping(1)))  # noqa: B023
     assert len(schedules) == 0 and rdb.zcard(f"{namespace}:scheduler:due") == 0
 
     assert schedules.add("a", "@daily", Ping(1)) == "added"

@@ -46,13 +46,14 @@ from apscheduler.triggers.interval import IntervalTrigger
 from dramatiq import Actor
 
 from .. import keys
+from ..durations import MAX_AHEAD
 from ..errors import EventEncodeError, EventError, PayloadMismatch
 from ..events import event_type, event_type_named
 from ..lua import scripts
 from ..names import EVENT_QUEUE, NAME
 from ..records import RECORD_DEPTH, TooDeep, check_depth, json_object, json_value, text, unreadable
 from ..settings import QUEUE_NAME
-from .cron import CronError, parse
+from .cron import EPOCH, CronError, parse
 from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known, zone_named
 from .targets import Checker, refuse_kit_task_type, refuse_options
 from .triggers import SpecTrigger
@@ -326,6 +327,9 @@ def encode_trigger(when: object, zone: ZoneInfo, where: str) -> Any:
         end = when.end_date.isoformat() if when.end_date is not None else None
         return {"interval_s": when.interval.total_seconds(), "start": when.start_date.isoformat(), "end": end}
     if isinstance(when, DateTrigger):
+        # Aware differences, as a date past 9999 in a zone east of UTC cannot even be shown in the entry's zone.
+        if not EPOCH <= when.run_date <= datetime.now(UTC) + MAX_AHEAD:
+            raise ScheduleError(f"{where}: a DateTrigger's date is from 1970 to 100 years ahead, not {when.run_date}")
         return {"date": when.run_date.isoformat()}
     raise ScheduleError(
         f"{where}: {when!r} cannot be stored: give a cron spec, @every, an IntervalTrigger or a DateTrigger"
