@@ -230,6 +230,8 @@ def _master_name(name: str) -> str:
 #: How long a Sentinel may take to accept a connection or answer, unless the caller gave a timeout: it
 #: is asked for the primary at every new connection, and one that hangs would stall each of them.
 SENTINEL_TIMEOUT_S = 2.0
+#: How much of one Sentinel's error its answer shows (redis-py's error texts are one sentence).
+MAX_ANSWER = 120
 
 
 @functools.cache
@@ -251,6 +253,43 @@ def _sentinel_pool_class() -> type:
                     sentinel.connection_pool.disconnect()
 
     return KitSentinelPool
+
+
+def _sentinel_class() -> type:
+    """redis-py's ``Sentinel``, whose failure to find the primary says briefly which Sentinels it asked and what
+    each answered: redis-py's own message holds the full repr of each Sentinel's client (some 1 KB each).
+    Built on first use, as :func:`_sentinel_pool_class`."""
+    from redis.sentinel import MasterNotFoundError, Sentinel
+
+    class KitSentinel(Sentinel):
+        def discover_master(self, service_name: str) -> Any:
+            try:
+                return super().discover_master(service_name)
+            except MasterNotFoundError as exc:
+                raise MasterNotFoundError(_sentinel_answers(str(exc), self.sentinels, service_name)) from None
+
+    return KitSentinel
+
+
+def _sentinel_answers(text: str, sentinels: list[Any], service_name: str) -> str:
+    """What each Sentinel answered, from redis-py's message, which lists ``<client repr> - <error>`` for each one
+    that failed, and none that answered without a primary that is up."""
+    heads = {id(client): f"{client} - " for client in sentinels}
+    found = sorted(((text.find(head), key) for key, head in heads.items() if head in text), key=lambda f: f[0])
+    if not found and " : " in text:  # errors, but not in the form known: redis-py's words, cut short
+        return text[: MAX_ANSWER * 2]
+    failed = {}
+    for n, (at, key) in enumerate(found):
+        end = found[n + 1][0] if n + 1 < len(found) else len(text)
+        error = text[at + len(heads[key]) : end].removesuffix(", ")
+        failed[key] = (error.partition(": ")[2] or error)[:MAX_ANSWER]  # its text, without the error's class
+    answers = []
+    for client in sentinels:
+        kwargs = client.connection_pool.connection_kwargs
+        host, port = kwargs.get("host"), kwargs.get("port")
+        where = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        answers.append(f"{where}: {failed.get(id(client), f'answered, with no primary {service_name!r} that is up')}")
+    return f"no primary {service_name!r} found: " + "; ".join(answers)
 
 
 class RedisSettings(BaseSettings):
@@ -408,14 +447,12 @@ class RedisSettings(BaseSettings):
 
         if self.sentinels is None:
             return redis.Redis.from_url(self.connection_url(), **{**self.client_options(), **options})
-        from redis.sentinel import Sentinel
-
         tls = {"ssl": True, **self.client_options()} if self.tls else self.client_options()
         timeouts = {
             name: options.get(name, SENTINEL_TIMEOUT_S) for name in ("socket_connect_timeout", "socket_timeout")
         }
         secret = self.sentinel_password.get_secret_value() if self.sentinel_password else None
-        sentinel = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed since redis 8.2
+        sentinel = _sentinel_class()(
             self.sentinels,
             sentinel_kwargs={**tls, **timeouts, "username": self.sentinel_username, "password": secret},
         )
