@@ -177,13 +177,16 @@ class Schedules:
         if overlap != "allow":
             options[OVERLAP_OPTION] = {"key": name, "mode": overlap}
         refuse_options(where, options)
-        record = {"trigger": encode_trigger(when, zone, where), "zone": zone.key, "options": dict(options)}
-        record.update(self._target(where, target, args, kwargs, queue))
-        for part in ("args", "kwargs", "data", "options"):
+        given = {"args": args, "kwargs": kwargs, "options": options}
+        if isinstance(target, EventByName):
+            given["data"] = target.data
+        for part, value in given.items():  # before the checks that walk them, and json.dumps: both recurse
             try:
-                check_depth(record.get(part))
+                check_depth(value)
             except TooDeep as exc:
                 raise ScheduleError(f"{where}: {part}: {exc}") from None
+        record = {"trigger": encode_trigger(when, zone, where), "zone": zone.key, "options": dict(options)}
+        record.update(self._target(where, target, args, kwargs, queue))
         if overlap != "allow" and "event" in record:
             raise ScheduleError(f"{where}: overlap= is for an actor: an event's listeners run as tasks of their own")
         self._check_options(name, options)
