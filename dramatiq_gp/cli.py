@@ -328,19 +328,33 @@ def outbox_backfill(task_type: str, since_text: str, until_text: str | None) -> 
         click.echo(f"of the events of that type the outbox keeps (OUTBOX_RETENTION), {kept}")
 
 
+#: The times a time option takes: none before the epoch (the tools count in ms since it), none so late that
+#: showing it in a zone east of UTC passes the year 9999.
+EARLIEST, LATEST = datetime(1970, 1, 1, tzinfo=UTC), datetime(9999, 1, 1, tzinfo=UTC)
+
+
 def _moment(text: str, option: str) -> datetime:
-    """An ISO time (UTC when it names no zone), or a duration before now."""
+    """An ISO time (UTC when it names no zone), or a duration before now, from 1970 to 9998."""
     from .durations import parse_duration
 
+    out_of_range = f"{option} {text!r}: expected a time from 1970 to 9998 (an ISO time, or a duration ago)"
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
         try:
-            return datetime.now(UTC) - parse_duration(text)
+            ago = parse_duration(text)
         except ValueError:
             _fail(f"{option} {text!r}: expected an ISO time (2026-12-01T09:00:00Z) or a duration ago (2h)")
             raise
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+        now = datetime.now(UTC)
+        if ago > now - EARLIEST:  # compared first: now - ago overflows for ago past the year 1
+            _fail(out_of_range)
+        return now - ago
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    if not EARLIEST <= moment < LATEST:
+        _fail(out_of_range)
+    return moment
 
 
 @contextmanager
@@ -703,8 +717,13 @@ def schedule_list(prefix: str, limit: int, as_json: bool) -> None:
 
 
 def _json_option(raw: str, option: str, kind: type) -> Any:
+    from .records import TooDeep, json_value
+
     try:
-        value = json.loads(raw)
+        value = json_value(raw)
+    except TooDeep as exc:
+        _fail(f"{option}: {exc}")
+        raise
     except ValueError as exc:
         _fail(f"{option} {raw!r}: not JSON ({exc})")
         raise

@@ -42,8 +42,9 @@ class EventError(GPError, TypeError):
 
 
 class DispatchError(GPError, ValueError):
-    """A dispatch's ``delay`` or ``at`` is not one it can keep (negative, naive, both given, no outbox to hold it),
-    or the outbox table predates delayed events; nothing was written."""
+    """A dispatch's ``delay`` or ``at`` is not one it can keep (negative, naive, both given, too far ahead, no outbox
+    to hold it), or the outbox table predates delayed events; nothing was written. Also a message sent with a
+    ``delay=`` longer than the kit's brokers hold one (7 days); nothing was sent."""
 
 
 class EventEncodeError(GPError, ValueError):

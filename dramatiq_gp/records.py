@@ -25,13 +25,71 @@ def unreadable(reason: str) -> str:
     return f"{MARK}{reason})"
 
 
+#: How deep the JSON an operator gives (a stored entry's arguments, data and options) or a tool reads back (a
+#: record, a dead letter's arguments) may nest; deeper is refused in one line. Python's JSON parser and encoder
+#: recurse once a level, so some hundreds of levels already fail or not depending on the stack they start from.
+MAX_JSON_DEPTH = 100
+#: How deep a record read back may nest: what was given sits one level down in it (an entry's ``args``).
+RECORD_DEPTH = MAX_JSON_DEPTH + 1
+
+
+class TooDeep(ValueError):
+    """JSON nested deeper than :data:`MAX_JSON_DEPTH`."""
+
+    def __init__(self) -> None:
+        super().__init__(f"nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """Raise :class:`TooDeep` if ``value``'s lists and objects nest deeper than ``limit`` (``[[]]`` is 2 deep);
+    a list that holds itself is refused too. Iterative: it never recurses itself."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth == limit:
+            raise TooDeep()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def json_value(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> Any:
+    """``raw`` parsed as JSON, no deeper than ``limit``.
+
+    Raises:
+        TooDeep: nested deeper (however deep: the parser's ``RecursionError`` is this too).
+        ValueError: not JSON.
+    """
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise TooDeep() from None
+    check_depth(value, limit)
+    return value
+
+
 def json_object(raw: bytes | str) -> dict[str, Any] | str:
     """The JSON object a worker wrote, or the mark in its place (written by hand, by another version)."""
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
+        value = json_value(raw, RECORD_DEPTH)
+    except TooDeep as exc:
+        return unreadable(str(exc))
+    except ValueError:
         return unreadable("not JSON")
     return value if isinstance(value, dict) else unreadable("not a JSON object")
+
+
+def shallow(value: Any) -> Any:
+    """``value``, or the mark in its place when it nests deeper than :data:`MAX_JSON_DEPTH`."""
+    try:
+        check_depth(value)
+    except TooDeep as exc:
+        return unreadable(str(exc))
+    return value
 
 
 def moment(ms: Any, label: str) -> int | str:

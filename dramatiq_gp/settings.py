@@ -89,6 +89,36 @@ def _readable_url(variable: str, url: str) -> Any:
     return parts
 
 
+def _secrets_hidden(text: str, url: str) -> str:
+    """``text`` (a library's error about ``url``) with the password and secret query values of ``url`` as ``***``."""
+    try:
+        parts = urlsplit(url)
+        secrets = [parts.password or ""]
+    except ValueError:
+        return text
+    secrets += [v for k, _, v in (p.partition("=") for p in parts.query.split("&")) if SECRET_QUERY.search(k)]
+    for secret in filter(None, secrets):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _unknown_redis_options(url: str) -> list[str]:
+    """The query parameters of ``url`` that redis-py passes on to a connection that takes none of that name (it
+    fails then, at the first command, on every try)."""
+    import inspect
+
+    import redis
+    import redis.connection
+
+    options = redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+    kind = options.pop("connection_class", redis.connection.Connection)
+    known = set(inspect.signature(redis.ConnectionPool.__init__).parameters)
+    for klass in kind.__mro__:
+        if "__init__" in vars(klass):
+            known |= set(inspect.signature(klass.__init__).parameters)
+    return sorted(set(options) - known)
+
+
 def redact_url(url: str) -> str:
     """``redis://user:secret@host/0?password=x`` -> ``redis://user:***@host/0?password=***``.
 
@@ -200,6 +230,8 @@ def _master_name(name: str) -> str:
 #: How long a Sentinel may take to accept a connection or answer, unless the caller gave a timeout: it
 #: is asked for the primary at every new connection, and one that hangs would stall each of them.
 SENTINEL_TIMEOUT_S = 2.0
+#: How much of one Sentinel's error its answer shows (redis-py's error texts are one sentence).
+MAX_ANSWER = 120
 
 
 @functools.cache
@@ -221,6 +253,43 @@ def _sentinel_pool_class() -> type:
                     sentinel.connection_pool.disconnect()
 
     return KitSentinelPool
+
+
+def _sentinel_class() -> type:
+    """redis-py's ``Sentinel``, whose failure to find the primary says briefly which Sentinels it asked and what
+    each answered: redis-py's own message holds the full repr of each Sentinel's client (some 1 KB each).
+    Built on first use, as :func:`_sentinel_pool_class`."""
+    from redis.sentinel import MasterNotFoundError, Sentinel
+
+    class KitSentinel(Sentinel):
+        def discover_master(self, service_name: str) -> Any:
+            try:
+                return super().discover_master(service_name)
+            except MasterNotFoundError as exc:
+                raise MasterNotFoundError(_sentinel_answers(str(exc), self.sentinels, service_name)) from None
+
+    return KitSentinel
+
+
+def _sentinel_answers(text: str, sentinels: list[Any], service_name: str) -> str:
+    """What each Sentinel answered, from redis-py's message, which lists ``<client repr> - <error>`` for each one
+    that failed, and none that answered without a primary that is up."""
+    heads = {id(client): f"{client} - " for client in sentinels}
+    found = sorted(((text.find(head), key) for key, head in heads.items() if head in text), key=lambda f: f[0])
+    if not found and " : " in text:  # errors, but not in the form known: redis-py's words, cut short
+        return text[: MAX_ANSWER * 2]
+    failed = {}
+    for n, (at, key) in enumerate(found):
+        end = found[n + 1][0] if n + 1 < len(found) else len(text)
+        error = text[at + len(heads[key]) : end].removesuffix(", ")
+        failed[key] = (error.partition(": ")[2] or error)[:MAX_ANSWER]  # its text, without the error's class
+    answers = []
+    for client in sentinels:
+        kwargs = client.connection_pool.connection_kwargs
+        host, port = kwargs.get("host"), kwargs.get("port")
+        where = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        answers.append(f"{where}: {failed.get(id(client), f'answered, with no primary {service_name!r} that is up')}")
+    return f"no primary {service_name!r} found: " + "; ".join(answers)
 
 
 class RedisSettings(BaseSettings):
@@ -268,12 +337,15 @@ class RedisSettings(BaseSettings):
                 raise ValueError(
                     f"REDIS_URL={redact_url(url)!r} has scheme {scheme!r}; expected redis://, rediss://, unix:// or valkey://"
                 )
-            import redis.connection
-
             try:  # what redis-py will make of it: a port, a db, the options it takes
-                redis.connection.parse_url(url.replace("valkey", "redis", 1) if scheme.startswith("valkey") else url)  # type: ignore[no-untyped-call]
+                unknown = _unknown_redis_options(
+                    url.replace("valkey", "redis", 1) if scheme.startswith("valkey") else url
+                )
             except ValueError as exc:
                 raise ValueError(f"REDIS_URL={redact_url(url)!r} cannot be read: {exc}") from None
+            if unknown:
+                names = ", ".join(map(repr, unknown))
+                raise ValueError(f"REDIS_URL={redact_url(url)!r} cannot be read: unknown URL parameter {names}")
         else:
             host, sep, port = self.addr.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -375,14 +447,12 @@ class RedisSettings(BaseSettings):
 
         if self.sentinels is None:
             return redis.Redis.from_url(self.connection_url(), **{**self.client_options(), **options})
-        from redis.sentinel import Sentinel
-
         tls = {"ssl": True, **self.client_options()} if self.tls else self.client_options()
         timeouts = {
             name: options.get(name, SENTINEL_TIMEOUT_S) for name in ("socket_connect_timeout", "socket_timeout")
         }
         secret = self.sentinel_password.get_secret_value() if self.sentinel_password else None
-        sentinel = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed since redis 8.2
+        sentinel = _sentinel_class()(
             self.sentinels,
             sentinel_kwargs={**tls, **timeouts, "username": self.sentinel_username, "password": secret},
         )
@@ -413,12 +483,27 @@ class RabbitmqSettings(BaseSettings):
     @model_validator(mode="after")
     def _amqp(self) -> RabbitmqSettings:
         for url in self.urls():
-            scheme = _readable_url("BROKER_URL", url).scheme
+            parts = _readable_url("BROKER_URL", url)
+            scheme = parts.scheme
             if scheme not in ("amqp", "amqps"):
                 raise ValueError(
                     f"BROKER_URL={redact_url(url)!r} has scheme {scheme!r}; expected amqp:// or amqps:// "
                     "(unset it to keep the queues on Redis/Valkey, at REDIS_URL)"
                 )
+            if parts.username and parts.password is None:  # pika fails on it with a TypeError
+                raise ValueError(
+                    f"BROKER_URL={redact_url(url)!r} names a user without a password: amqp://user:password@host/"
+                )
+            try:
+                import pika
+            except ImportError:  # the rabbitmq extra is missing: the broker says so when it is built
+                continue
+            try:  # what pika will make of it: the query parameters it takes, and their values
+                pika.URLParameters(url)
+            # ssl_options is a Python literal (SyntaxError) naming files it opens at once (OSError)
+            except (ValueError, SyntaxError, OSError) as exc:
+                reason = _secrets_hidden(str(exc), url)
+                raise ValueError(f"BROKER_URL={redact_url(url)!r} cannot be read: {reason}") from None
         return self
 
     def urls(self) -> list[str]:
@@ -462,12 +547,19 @@ class DatabaseSettings(BaseSettings):
 
             url = self.url.get_secret_value()
             try:  # what SQLAlchemy will make of it (imported only when DB_URL is set)
-                make_url(url)
+                parsed = make_url(self.sqlalchemy_url())
             except (ValueError, sqlalchemy.exc.ArgumentError) as exc:
                 raise ValueError(
                     f"DB_URL={redact_url(url)!r} cannot be read: {exc} "
                     "(%-escape a password's special characters: @ is %40, / is %2F)"
                 ) from None
+            backend = parsed.get_backend_name()
+            if backend not in ("postgresql", "sqlite"):
+                raise ValueError(f"DB_URL={redact_url(url)!r}: the outbox needs PostgreSQL (or SQLite), not {backend}")
+            try:  # its driver: a missing one was a traceback from the first connection
+                parsed.get_dialect().import_dbapi()
+            except (ImportError, sqlalchemy.exc.ArgumentError) as exc:
+                raise ValueError(f"DB_URL={redact_url(url)!r}: its driver cannot be loaded ({exc})") from None
         return self
 
     @property

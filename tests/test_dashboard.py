@@ -828,6 +828,20 @@ def test_one_bad_dead_letter_is_marked_linked_and_acted_on_alone_and_the_rest_of
     assert rdb.lrange(keys.queue(namespace, "default"), 0, -1) == [id]
 
 
+def test_a_dead_letters_arguments_nested_too_deep_show_marked_with_the_rest_of_it(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    clean_env.setenv("SENTRY_SEND_DEFAULT_PII", "true")
+    bury(rdb, namespace, "default", "deep", stored_dead_letter("deep", "[" * 101 + "]" * 101))
+    mark = "(unreadable: nested deeper than 100 levels)"
+    with serving(create_app()) as base:
+        one = Browser(base).open("/dead-letters/default/deep")
+    assert one.status == 200 and "RuntimeError: the card was declined" in one.body
+    (body,) = re.findall(r'<pre id="body">(.*?)</pre>', one.body, re.S)
+    assert json.loads(html.unescape(body)) == {"args": mark, "kwargs": {}}
+    shown = CliRunner().invoke(cli_main, ["dlq", "show", "default", "deep"])
+    assert shown.exit_code == 0 and json.loads(shown.output)["args"] == mark
+
+
 def test_a_dead_letter_whose_redis_id_is_not_utf8_is_marked_and_reached_by_its_message_id(clean_env, namespace, rdb):
     clean_env.setenv("VALKEY_NAMESPACE", namespace)
     bury(rdb, namespace, "default", "good", stored_dead_letter("good"))
@@ -1132,6 +1146,14 @@ def test_an_entry_stored_from_the_dashboard_is_confirmed_logged_with_who_and_fir
             "refused: schedule entry 'bad': actor 'cleanup' runs from queue 'maintenance' only",
         ),
         ({"event": "order.placed"}, "refused: schedule entry 'bad': no worker publishes an event 'order.placed'"),
+        # Deeper than the parser recurses (it was a 500 with a RecursionError), and one level past the limit.
+        ({"data": "[" * 5000 + "]" * 5000}, "refused: data: nested deeper than 100 levels"),
+        ({"event": "", "actor": "job", "args": "[" * 101 + "]" * 101}, "refused: args: nested deeper than 100 levels"),
+        # Its next fire was past the year 9999: a 500 with an OverflowError.
+        (
+            {"spec": "@every 999999999d"},
+            "refused: schedule entry 'bad': cron spec '@every 999999999d': @every takes an interval of at most 36525d",
+        ),
     ],
     ids=[
         "bad-spec",
@@ -1146,6 +1168,9 @@ def test_an_entry_stored_from_the_dashboard_is_confirmed_logged_with_who_and_fir
         "fan-out",
         "other-queue",
         "event-not-schedulable",
+        "recursion",
+        "deep",
+        "every-too-long",
     ],
 )
 def test_a_refused_entry_shows_its_one_line_and_nothing_is_stored(fields, shown, clean_env, namespace, rdb, targets):
@@ -1163,6 +1188,24 @@ def test_a_refused_entry_shows_its_one_line_and_nothing_is_stored(fields, shown,
     assert html.unescape(flash).startswith(shown) and "\n" not in flash, flash
     assert rdb.hgetall(f"{namespace}:scheduler:dynamic") == stored_before
     assert rdb.zcard(f"{namespace}:scheduler:names") == 1
+
+
+def test_a_stored_entry_nested_too_deep_by_hand_is_marked_on_its_page_and_refused_to_run_now(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    record = '{"zone": "UTC", "trigger": "@daily", "queue": "default", "actor": "job", "args": %s}'
+    rdb.hset(f"{namespace}:scheduler:dynamic", "deep", record % ("[" * 5000 + "]" * 5000))
+    rdb.zadd(f"{namespace}:scheduler:names", {"deep": 0})
+    with serving(create_app()) as base:
+        browser = Browser(base)
+        token = browser.csrf("/scheduler/stored")
+        ran = browser.open("/scheduler/deep/run", {"back": "stored", "csrf": token, "confirmed": "yes"})
+        page = browser.open("/scheduler/stored")
+    assert ran.status == 200 and ran.url.endswith("/scheduler/stored")
+    assert page.status == 200 and "(unreadable: nested deeper than 100 levels)" in page.body
+    (flash,) = re.findall(r'<p class="flash bad" role="status">(.*?)</p>', ran.body, re.S)
+    refused = "refused: schedule entry 'deep': unreadable stored entry (nested deeper than 100 levels)"
+    assert html.unescape(flash) == refused
+    assert not rdb.exists(f"{namespace}:default.msgs")
 
 
 def test_a_stored_entry_paused_and_resumed_from_its_page_returns_to_that_page(

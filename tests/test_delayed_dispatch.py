@@ -16,9 +16,10 @@ import os
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
+import dramatiq
 import pytest
 import redis
 import sqlalchemy as sa
@@ -27,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 import dramatiq_gp as gp
 from apps.app_events import Numbered
 from apps.replica import Replica
+from dramatiq_gp.brokers.kinds import view_for
 from dramatiq_gp.names import EVENT_QUEUE
 from dramatiq_gp.outbox import OUTBOX_EVENTS
 from dramatiq_gp.status import outbox_status
@@ -207,6 +209,9 @@ def test_retention_never_deletes_a_row_not_yet_sent(make_kit, engine, database_u
     assert _row(engine, event_id).published_at is None
 
 
+TOO_FAR = "is more than 36525 days (100 years) ahead, the furthest a dispatch may be due"
+
+
 @pytest.mark.parametrize(
     ("options", "error"),
     [
@@ -218,6 +223,17 @@ def test_retention_never_deletes_a_row_not_yet_sent(make_kit, engine, database_u
         ),
         ({"at": "2030-01-01T09:00:00Z"}, "dispatch at= takes a datetime.datetime, not str '2030-01-01T09:00:00Z'"),
         ({"delay": timedelta(1), "at": datetime(2030, 1, 1, tzinfo=UTC)}, "dispatch takes delay= or at=, not both"),
+        # Each of these three was a raw OverflowError.
+        ({"delay": timedelta.max}, f"dispatch delay={timedelta.max} {TOO_FAR}"),
+        (
+            {"at": datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-14)))},
+            f"dispatch at=9999-12-31T23:00:00-14:00 {TOO_FAR}",
+        ),
+        (
+            {"at": datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=14)))},
+            "dispatch at=0001-01-01T00:00:00+14:00 is before 1970: give a time from 1970 on (a past one means now)",
+        ),
+        ({"delay": timedelta(days=36_525, seconds=1)}, f"dispatch delay=36525 days, 0:00:01 {TOO_FAR}"),
     ],
 )
 def test_a_delay_or_time_it_cannot_keep_is_refused_in_one_line_and_nothing_is_written(engine, options, error):
@@ -228,13 +244,35 @@ def test_a_delay_or_time_it_cannot_keep_is_refused_in_one_line_and_nothing_is_wr
         assert conn.execute(sa.select(sa.func.count()).select_from(OUTBOX_EVENTS)).scalar_one() == 0
 
 
-def test_a_time_past_or_a_zero_delay_means_now(engine):
+def test_a_time_past_or_a_zero_delay_means_now_and_100_years_ahead_is_kept(engine):
     with engine.begin() as conn:
         past = gp.dispatch(conn, Numbered(1), at=datetime.now(UTC) - timedelta(hours=1))
         zero = gp.dispatch(conn, Numbered(2), delay=timedelta(0))
-    assert _row(engine, past).not_before is None
-    assert _row(engine, zero).not_before is None
-    assert outbox_status(engine)["pending"] == 2
+        epoch = gp.dispatch(conn, Numbered(3), at=datetime(1970, 1, 1, tzinfo=UTC))
+        furthest = gp.dispatch(conn, Numbered(4), delay=timedelta(days=36_525))
+    assert [_row(engine, event_id).not_before for event_id in (past, zero, epoch)] == [None, None, None]
+    assert _row(engine, furthest).not_before.year == datetime.now(UTC).year + 100
+    assert outbox_status(engine)["pending"] == 3
+
+
+@pytest.mark.usefixtures("broker")
+def test_a_message_sent_with_a_delay_past_7_days_is_refused_in_one_line_and_not_sent(make_kit, namespace):
+    kit = make_kit(env={"VALKEY_NAMESPACE": namespace})
+
+    @dramatiq.actor(broker=kit.broker, actor_name="remind")
+    def remind() -> None:
+        pass
+
+    for delay in (timedelta.max, timedelta(days=8), float("nan")):
+        with pytest.raises(gp.DispatchError) as refused:
+            remind.send_with_options(delay=delay)
+        ms = int(delay.total_seconds() * 1000) if isinstance(delay, timedelta) else delay
+        assert str(refused.value) == (
+            f"remind sent with delay={ms} ms: more than 604800000 ms (7 days), the longest a message waits in a "
+            "worker; a longer wait belongs in the outbox (dispatch with delay=)"
+        )
+    remind.send_with_options(delay=timedelta(days=7))
+    assert [q["delayed"] for q in view_for(kit.settings, kit.broker.client).counts(["default"])] == [1]
 
 
 def test_a_kit_without_a_database_refuses_a_delayed_dispatch(make_kit):

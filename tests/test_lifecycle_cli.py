@@ -309,14 +309,32 @@ def test_redis_down_at_start_up_exits_non_zero_with_one_line_naming_the_address(
         ({"SCHEDULER_TIMEZONE": "Mars/Phobos"}, "SCHEDULER_TIMEZONE='Mars/Phobos'"),
         ({"GP_TEST_CRON": "61 * * * *"}, "'61 * * * *'"),
         ({"GP_TEST_EVENT_NAME": "shop:order"}, "event name 'shop:order'"),
+        # Each of these three was a traceback from the library that first read it.
+        ({"DB_URL": "mysql://u:hunter2@db/shop"}, "DB_URL='mysql://u:***@db/shop': the outbox needs PostgreSQL"),
+        (
+            {"BROKER_URL": "amqp://guest:guest@127.0.0.1:1/?password=hunter2"},
+            "BROKER_URL='amqp://guest:***@127.0.0.1:1/?password=***' cannot be read: Unknown URL parameter: 'password'",
+        ),
+        (
+            {"REDIS_URL": "redis://:hunter2@127.0.0.1:1/0?bogus=1"},
+            "REDIS_URL='redis://:***@127.0.0.1:1/0?bogus=1' cannot be read: unknown URL parameter 'bogus'",
+        ),
     ],
-    ids=["bad-variable", "bad-zone", "bad-cron-spec", "bad-event-at-import"],
+    ids=[
+        "bad-variable",
+        "bad-zone",
+        "bad-cron-spec",
+        "bad-event-at-import",
+        "db-mysql",
+        "amqp-password",
+        "redis-param",
+    ],
 )
 def test_a_deliberate_start_up_error_is_one_line_and_a_non_zero_exit(run_dramatiq, env, culprit):
     worker = run_dramatiq(env)
     assert worker.wait(60) == 2  # the dramatiq command's code for a module that failed to import
     lines = [line for line in worker.log.splitlines() if line.strip()]
-    assert "Traceback" not in worker.log
+    assert "Traceback" not in worker.log and "hunter2" not in worker.log
     (failure,) = [line for line in lines if "start-up failed" in line]
     assert "[ERROR]" in failure and culprit in failure, failure
     # Nothing else alarming but the dramatiq command's own line saying a worker process exited.

@@ -218,6 +218,14 @@ def test_the_preview_marks_each_tick_and_says_what_cannot_be_told_apart(clean_en
         (["backfill", "test.hourly", "--from", "2025-01-01T00:10Z", "--to", "2025-01-01T00:50Z"], "has no tick from"),
         (["backfill", "test.hourly", "--from", "2000-01-01T00:00Z", "--to", "1h"], "has more than 1000 ticks from"),
         (["backfill", "test.hourly", "--from", "soon"], "--from 'soon': expected an ISO time"),
+        # Each of these three was a raw OverflowError.
+        (["backfill", "test.hourly", "--from", "0001-01-01"], "--from '0001-01-01': expected a time from 1970 to 9998"),
+        (["backfill", "test.hourly", "--from", "999999999d"], "--from '999999999d': expected a time from 1970 to"),
+        (["backfill", "test.hourly", "--from", "1e20"], "--from '1e20': expected an ISO time"),
+        (
+            ["backfill", "test.hourly", "--from", "1h", "--to", "9999-12-31T23:00-14:00"],
+            "--to '9999-12-31T23:00-14:00': expected a time from 1970 to 9998",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(args, message, clean_env, namespace, rdb):

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -31,8 +34,10 @@ from dramatiq import Message
 
 import dramatiq_gp as gp
 from apps.replica import Replica
+from devtools.asgi import serving
 from devtools.sentinels import SentinelGroup, redis_server
 from dramatiq_gp import keys
+from dramatiq_gp.dashboard import create_app
 from dramatiq_gp.errors import ConfigError
 from dramatiq_gp.scheduler.outlet import Tick, TickNotDurable, outlet_for, replicas_to_wait_for
 from dramatiq_gp.settings import RedisSettings
@@ -293,6 +298,40 @@ def test_a_client_from_the_settings_follows_a_failover_and_closes_every_socket(t
         assert all(c._sock is None for s in sentinels for c in s.connection_pool._available_connections)
     finally:
         group.stop()
+
+
+@needs_redis_server
+def test_no_primary_found_says_in_one_short_line_which_sentinels_were_asked_and_what_each_answered(tmp_path, env):
+    # redis-py's own message held the repr of each Sentinel's client: 2.4 KB on one line for two Sentinels.
+    group = SentinelGroup(tmp_path / "redis", replicas=0, sentinels=1)
+    try:
+        group.start()
+        (port,) = group.sentinel_ports
+        env.setenv("VALKEY_SENTINELS", f"127.0.0.1:1,127.0.0.1:{port}")
+        env.setenv("VALKEY_SENTINEL_MASTER", "elsewhere")  # the Sentinel watches only mymaster
+        why = (
+            "no primary 'elsewhere' found: 127.0.0.1:1: Error 111 connecting to 127.0.0.1:1. Connection refused.; "
+            f"127.0.0.1:{port}: answered, with no primary 'elsewhere' that is up"
+        )
+        where = f"redis+sentinel://127.0.0.1:1,127.0.0.1:{port}/elsewhere/0"
+        done = subprocess.run(
+            [sys.executable, "-m", "dramatiq_gp", "status"], capture_output=True, text=True, timeout=60
+        )
+        assert (done.returncode, done.stdout) == (1, "")
+        assert done.stderr == f"Error: Redis/Valkey unreachable at {where}: {why}\n"
+        with serving(create_app()) as base:
+            assert _get(base + "/dead-letters") == (503, f"Redis/Valkey unreachable at {where}: {why}")
+    finally:
+        group.stop()
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as refused:
+        with refused:
+            return refused.code, refused.read().decode()
 
 
 def _set_ok(client: redis.Redis) -> bool:

@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import dramatiq
@@ -89,6 +89,10 @@ def test_an_entry_is_checked_before_it_is_stored_and_refused_with_one_line(sched
     assert "args= and kwargs= are for an actor" in _error(lambda: schedules.add("a", "@daily", Ping(1), args=[1]))
     assert "an event instance, an actor" in _error(lambda: schedules.add("a", "@daily", 42))
     assert "more than" in _error(lambda: schedules.add("a", "@daily", "job", args=["x" * 20_000]))
+    # Each of these was an OverflowError: a tick, or the date, is past the year 9999 (or before the year 1).
+    assert "at most 36525d (100 years)" in _error(lambda: schedules.add("a", "@every 999999999d", Ping(1)))
+    for far in (datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-14))), datetime(1, 1, 1, tzinfo=UTC)):
+        assert "date is from 1970 to 100 years ahead" in _error(lambda: schedules.add("a", DateTrigger(far), Ping(1)))  # noqa: B023
     assert len(schedules) == 0 and rdb.zcard(f"{namespace}:scheduler:due") == 0
 
     assert schedules.add("a", "@daily", Ping(1)) == "added"
@@ -241,6 +245,32 @@ def test_a_stored_record_that_cannot_be_read_is_listed_with_its_mark_and_the_res
     assert good.kind == "event" and good.trigger == "@daily"
     assert (bad.kind, bad.trigger) == ("unreadable", "(unreadable: not JSON)")
     assert (odd.kind, odd.trigger) == ("unreadable", "(unreadable: KeyError('trigger'))")
+
+
+def test_arguments_nested_deeper_than_100_levels_are_refused_in_one_line_and_marked_when_read(
+    schedules, rdb, namespace
+):
+    deep: list = []
+    for _ in range(100):  # 101 levels in all
+        deep = [deep]
+    looped: list = []
+    looped.append(looped)
+    too_deep = "nested deeper than 100 levels"
+    assert _error(lambda: schedules.add("a", "@daily", "job", args=[deep])) == f"schedule entry 'a': args: {too_deep}"
+    assert _error(lambda: schedules.add("a", "@daily", "job", kwargs={"k": deep})).endswith(f"kwargs: {too_deep}")
+    assert _error(lambda: schedules.add("a", "@daily", "job", args=[looped])).endswith(f"args: {too_deep}")
+    assert _error(lambda: schedules.add("a", "@daily", EventByName("digest.due", deep))).endswith(f"data: {too_deep}")
+    assert len(schedules) == 0
+    assert schedules.add("a", "@daily", "job", args=deep[0]) == "added"  # 100 levels are kept
+    for name, depth in (("b", 101), ("c", 5000)):  # written by hand: 5000 exhausts the parser's recursion
+        record = f'{{"zone": "UTC", "trigger": "@daily", "queue": "default", "args": {"[" * depth + "]" * depth}}}'
+        rdb.hset(f"{namespace}:scheduler:dynamic", name, record)
+        rdb.zadd(f"{namespace}:scheduler:names", {name: 0})
+    assert [(e.name, e.trigger) for e in schedules.list()] == [
+        ("a", "@daily"),
+        ("b", f"(unreadable: {too_deep})"),
+        ("c", f"(unreadable: {too_deep})"),
+    ]
 
 
 def _stored_firings(cluster: Cluster) -> dict[str, list[tuple[datetime, str]]]:
@@ -416,6 +446,21 @@ def test_the_cli_adds_lists_previews_and_removes_stored_entries(clean_env, names
     assert cli("schedule", "remove", "digest.42").exit_code == 0
     gone = cli("schedule", "remove", "digest.42")
     assert gone.exit_code == 1 and "no stored schedule entry 'digest.42'" in gone.output
+
+
+def test_the_cli_refuses_arguments_data_and_options_nested_too_deep_in_one_line(clean_env, namespace, rdb):
+    clean_env.setenv("VALKEY_NAMESPACE", namespace)
+    deep = "[" * 5000 + "]" * 5000  # deeper than the parser recurses
+    given = {
+        ("--actor", "--args"): deep,
+        ("--actor", "--kwargs"): f'{{"k": {"[" * 100 + "]" * 100}}}',  # 101 levels
+        ("--event", "--data"): deep,
+        ("--actor", "--options"): f'{{"k": {deep}}}',
+    }
+    for (target, option), value in given.items():
+        done = CliRunner().invoke(main, ["schedule", "add", "x", "@daily", target, "job", option, value])
+        assert (done.exit_code, done.output) == (1, f"Error: {option}: nested deeper than 100 levels\n"), done.output
+    assert not rdb.exists(f"{namespace}:scheduler:dynamic")
 
 
 def test_a_stored_actor_entry_takes_overlap_and_its_runs_never_overlap(make_kit, start_worker):

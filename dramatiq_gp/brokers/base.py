@@ -36,7 +36,7 @@ from dramatiq.middleware import MiddlewareError
 
 from .. import keys
 from ..durations import format_duration
-from ..errors import BrokerMismatch
+from ..errors import BrokerMismatch, DispatchError
 from ..errortext import capped
 from ..lua import scripts
 
@@ -64,6 +64,26 @@ NAME_SHOWN = 200
 #: The distinct task types (or task type and queue) a worker process logs once each; past it, one line says
 #: so and the others are set aside without one (their dead letters say why). Each is kept as shown.
 WARNED_MAX = 1_000
+
+#: The longest ``delay=`` a message is sent with (``send_with_options``), in ms: 7 days, the longest Dramatiq's
+#: Redis broker takes, and ``WORKER_MAX_BACKOFF``'s bound. A delayed message waits unacknowledged in a worker,
+#: fetched again after each restart (on RabbitMQ, redelivered after each ``consumer_timeout``): a longer wait
+#: belongs in the outbox (``dispatch(..., delay=)``), where it is a row.
+MAX_DELAY_MS = 7 * 86_400_000
+
+
+def check_delay(message: Message[Any], delay: float | None) -> None:
+    """Refuse a send whose ``delay`` (ms) is longer than :data:`MAX_DELAY_MS`, or no number, before it is announced.
+
+    Raises:
+        DispatchError: naming the actor and the delay; nothing was sent.
+    """
+    if delay is not None and not delay <= MAX_DELAY_MS:  # NaN too
+        raise DispatchError(
+            f"{message.actor_name} sent with delay={delay} ms: more than {MAX_DELAY_MS} ms (7 days), the longest a "
+            "message waits in a worker; a longer wait belongs in the outbox (dispatch with delay=)"
+        )
+
 
 _warned_lock = threading.Lock()
 

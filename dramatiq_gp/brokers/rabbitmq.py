@@ -103,6 +103,7 @@ from .base import (
     DEAD_LETTER_REASON,
     KitBroker,
     Settle,
+    check_delay,
     decode_cause,
     keep_failure_reason,
     malformed,
@@ -221,7 +222,9 @@ class RabbitmqBroker(KitBroker, DramatiqRabbitmqBroker):
             QuorumLost: RabbitMQ did not confirm in time (:class:`ConfirmTimeout`; not tried again: each
                 try would wait as long), or cannot declare the queue.
             ConnectionClosed: the connection closed on every attempt.
+            DispatchError: ``delay`` is longer than :data:`~.base.MAX_DELAY_MS`; nothing was sent.
         """
+        check_delay(message, delay)
         if not self.confirm_delivery:
             return super().enqueue(message, delay=delay)
         canonical = message.queue_name

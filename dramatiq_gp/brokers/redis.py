@@ -106,6 +106,7 @@ from .base import (
     KitBroker,
     Settle,
     SettlePlan,
+    check_delay,
     decode_cause,
     keep_failure_reason,
     malformed,
@@ -225,6 +226,7 @@ class RedisBroker(KitBroker, DramatiqRedisBroker):
             time.sleep(interval / 1000)
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        check_delay(message, delay)
         try:
             return super().enqueue(message, delay=delay)
         except redis.ConnectionError as exc:

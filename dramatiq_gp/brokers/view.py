@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import NotAQueue
-from ..records import unreadable
+from ..records import shallow, unreadable
 from ..settings import QUEUE_NAME
 from .base import DEAD_LETTER_REASON
 
@@ -211,8 +211,8 @@ def letter(
         _str(message.get("actor_name")),
         attempts,
         reason,
-        message.get("args") if pii else FILTERED,
-        message.get("kwargs") if pii else FILTERED,
+        shallow(message.get("args")) if pii else FILTERED,
+        shallow(message.get("kwargs")) if pii else FILTERED,
     )
 
 

@@ -32,7 +32,7 @@ from ..brokers.kinds import broker_for, view_for
 from ..brokers.view import dead_letters_of, is_queue_name
 from ..durations import format_duration
 from ..errors import NotAQueue
-from ..records import MARK
+from ..records import MARK, TooDeep, json_value
 from ..scheduler.dynamic import EventByName
 from ..scheduler.schedule import ScheduleError
 from ..settings import Settings
@@ -320,7 +320,10 @@ class _Dashboard:
 
         def perform(form: FormData, by: str) -> str:
             with self._sending_broker() as broker:
-                run = actions.run_entry(broker, self.reader.scheduler_keys, entry, who=by)
+                try:
+                    run = actions.run_entry(broker, self.reader.scheduler_keys, entry, who=by)
+                except ScheduleError as exc:
+                    raise Refused(str(exc)) from None
             if run is None:
                 return f"no schedule entry {entry}"
             paused = " (it is paused: run all the same)" if run.paused else ""
@@ -471,7 +474,9 @@ def _json_field(form: FormData, name: str, kind: type) -> Any:
     """The form field ``name`` as JSON of ``kind``; :class:`Refused` in one line naming it otherwise."""
     raw = str(form.get(name) or ("[]" if kind is list else "{}"))
     try:
-        value = json.loads(raw)
+        value = json_value(raw)
+    except TooDeep as exc:
+        raise Refused(f"{name}: {exc}") from None
     except ValueError as exc:
         raise Refused(f"{name}: not JSON ({exc})") from None
     if kind is not object and not isinstance(value, kind):

@@ -11,7 +11,7 @@ response before it. And past :data:`~dramatiq_gp.endpoint.MAX_CONNECTIONS` open 
 a new connection cuts the oldest one that is not being answered, or is itself closed
 when every one is.
 
-It subclasses uvicorn's private ``H11Protocol`` (``docs/internals.md`` #20):
+It subclasses uvicorn's private ``H11Protocol`` (``docs/internals.md`` #21):
 ``connection_made``, ``handle_events``, ``on_response_complete``, and its ``cycle``,
 ``transport``, ``connections`` and ``loop`` attributes.
 """

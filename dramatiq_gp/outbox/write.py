@@ -9,11 +9,16 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from ..durations import MAX_AHEAD
 from ..errors import DispatchError
 from ..events import event_type
 from ..settings import Settings
 from ..tracecontext import current_carrier
 from .table import CHANNEL, OUTBOX_EVENTS
+
+#: The earliest ``at=`` taken (a time past means now): before it, a time is a placeholder (``datetime.min``), and
+#: in ms since the epoch, as the tools and messages count, it is negative.
+EARLIEST_AT = datetime(1970, 1, 1, tzinfo=UTC)
 
 _INSERT = OUTBOX_EVENTS.insert()
 _NOTIFY = sa.text(f"SELECT pg_notify('{CHANNEL}', '')")
@@ -46,7 +51,8 @@ def write(
 
     With ``delay`` (a non-negative ``timedelta``) or ``at`` (an aware ``datetime``;
     one in the past means now) the row waits in the table until then: the relays
-    send it no sooner, and then as any other.
+    send it no sooner, and then as any other. It is due at most
+    :data:`~dramatiq_gp.durations.MAX_AHEAD` (100 years) ahead; ``at`` is from 1970 on.
 
     Raises:
         EventError: ``event`` is not an event.
@@ -117,7 +123,8 @@ def due_time(delay: timedelta | None, at: datetime | None) -> datetime | None:
     Read on this process's clock, as the caller means it.
 
     Raises:
-        DispatchError: both given, ``delay`` negative or not a timedelta, ``at`` naive or not a datetime.
+        DispatchError: both given, ``delay`` negative or not a timedelta, ``at`` naive or not a datetime,
+            either due more than 100 years ahead, ``at`` before 1970.
     """
     if delay is None and at is None:
         return None
@@ -129,14 +136,23 @@ def due_time(delay: timedelta | None, at: datetime | None) -> datetime | None:
             raise DispatchError(f"dispatch delay= takes a datetime.timedelta, not {type(delay).__name__} {delay!r}")
         if delay < timedelta(0):
             raise DispatchError(f"dispatch delay= must not be negative, got {delay.total_seconds():g} s")
-        due = now + delay
+        ahead, given = delay, f"delay={delay}"
     else:
         if not isinstance(at, datetime):
             raise DispatchError(f"dispatch at= takes a datetime.datetime, not {type(at).__name__} {at!r}")
         if at.tzinfo is None or at.utcoffset() is None:
             raise DispatchError(f"dispatch at= takes an aware datetime (with a tzinfo), not the naive {at.isoformat()}")
-        due = at.astimezone(UTC)
-    return due if due > now else None
+        if at < EARLIEST_AT:
+            raise DispatchError(
+                f"dispatch at={at.isoformat()} is before 1970: give a time from 1970 on (a past one means now)"
+            )
+        # A difference of aware datetimes never overflows; at.astimezone(UTC) does, near the year 1 or 9999.
+        ahead, given = at - now, f"at={at.isoformat()}"
+    if ahead > MAX_AHEAD:
+        raise DispatchError(
+            f"dispatch {given} is more than {MAX_AHEAD.days} days (100 years) ahead, the furthest a dispatch may be due"
+        )
+    return now + ahead if ahead > timedelta(0) else None
 
 
 def _notify_enabled() -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo
 
-from ..durations import parse_duration
+from ..durations import MAX_AHEAD, parse_duration
 from ..errors import GPError
 
 DESCRIPTORS = {
@@ -183,6 +183,8 @@ def parse(text: str) -> Spec:
             raise CronError(f"cron spec {text!r}: {exc}") from None
         if interval < timedelta(seconds=1):
             raise CronError(f"cron spec {text!r}: @every needs an interval of at least 1s")
+        if interval > MAX_AHEAD:
+            raise CronError(f"cron spec {text!r}: @every takes an interval of at most {MAX_AHEAD.days}d (100 years)")
         return Every(text, interval)
     if spec.startswith("@"):
         if spec not in DESCRIPTORS:

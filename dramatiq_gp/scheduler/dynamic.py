@@ -46,13 +46,14 @@ from apscheduler.triggers.interval import IntervalTrigger
 from dramatiq import Actor
 
 from .. import keys
+from ..durations import MAX_AHEAD
 from ..errors import EventEncodeError, EventError, PayloadMismatch
 from ..events import event_type, event_type_named
 from ..lua import scripts
 from ..names import EVENT_QUEUE, NAME
-from ..records import json_object, text, unreadable
+from ..records import RECORD_DEPTH, TooDeep, check_depth, json_object, json_value, text, unreadable
 from ..settings import QUEUE_NAME
-from .cron import CronError, parse
+from .cron import EPOCH, CronError, parse
 from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known, zone_named
 from .targets import Checker, refuse_kit_task_type, refuse_options
 from .triggers import SpecTrigger
@@ -176,6 +177,14 @@ class Schedules:
         if overlap != "allow":
             options[OVERLAP_OPTION] = {"key": name, "mode": overlap}
         refuse_options(where, options)
+        given = {"args": args, "kwargs": kwargs, "options": options}
+        if isinstance(target, EventByName):
+            given["data"] = target.data
+        for part, value in given.items():  # before the checks that walk them, and json.dumps: both recurse
+            try:
+                check_depth(value)
+            except TooDeep as exc:
+                raise ScheduleError(f"{where}: {part}: {exc}") from None
         record = {"trigger": encode_trigger(when, zone, where), "zone": zone.key, "options": dict(options)}
         record.update(self._target(where, target, args, kwargs, queue))
         if overlap != "allow" and "event" in record:
@@ -321,6 +330,9 @@ def encode_trigger(when: object, zone: ZoneInfo, where: str) -> Any:
         end = when.end_date.isoformat() if when.end_date is not None else None
         return {"interval_s": when.interval.total_seconds(), "start": when.start_date.isoformat(), "end": end}
     if isinstance(when, DateTrigger):
+        # Aware differences, as a date past 9999 in a zone east of UTC cannot even be shown in the entry's zone.
+        if not EPOCH <= when.run_date <= datetime.now(UTC) + MAX_AHEAD:
+            raise ScheduleError(f"{where}: a DateTrigger's date is from 1970 to 100 years ahead, not {when.run_date}")
         return {"date": when.run_date.isoformat()}
     raise ScheduleError(
         f"{where}: {when!r} cannot be stored: give a cron spec, @every, an IntervalTrigger or a DateTrigger"
@@ -362,7 +374,7 @@ def decode(name: str, record: Mapping[str, Any]) -> Entry:
 def decode_raw(name: str, raw: bytes | str) -> Entry:
     """:func:`decode` of the JSON as Redis holds it."""
     try:
-        record = json.loads(raw)
+        record = json_value(raw, RECORD_DEPTH)
     except ValueError as exc:
         raise ScheduleError(f"schedule entry {name!r}: unreadable stored entry ({exc})") from None
     if not isinstance(record, dict):
