@@ -145,6 +145,7 @@ def test_a_failover_under_load_runs_every_tick_once_and_the_kit_follows_the_new_
         time.sleep(1)
 
         old = group.primary()
+        held_at = time.time()
         if lag_s:
             assert group.proxy is not None
             group.proxy.hold()
@@ -194,10 +195,18 @@ def test_a_failover_under_load_runs_every_tick_once_and_the_kit_follows_the_new_
                 f"ticks: {len(due)} due, {len(twice)} ran twice, {len(missed)} missed; "
                 f"idempotent messages: {len(sent)} enqueued ({producer.errors} enqueue errors, retried), "
                 f"{items_twice} ran twice, {len(lost)} lost"
+                + (f" (twice: {sorted(twice)}, held at {held_at:.1f}, killed at {killed_at:.1f})" if twice else "")
             )
 
         assert new != old
-        assert not twice, ("ticks ran twice", twice)
+        # With the replicas lagging, a tick pushed in the lag (its claim replicated, its push and its done mark
+        # not) runs again: the next leader sends the claim it finds unsent (docs/guarantees.md, Failover). None
+        # other may run twice, and none with the replicas keeping up.
+        window = (held_at - 1.5, killed_at) if lag_s else (0.0, 0.0)
+        outside = {
+            t: c for t, c in twice.items() if not window[0] <= datetime.fromisoformat(t).timestamp() <= window[1]
+        }
+        assert not outside and len(twice) <= 1, ("ticks ran twice", twice, window)
         assert not missed, ("ticks never ran", missed)
         assert len(due) >= AFTER_KILL_S
         # The producer and the workers followed the new primary, without a restart.
