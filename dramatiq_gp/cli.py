@@ -27,7 +27,7 @@ import redis
 from dramatiq.errors import BrokerError
 
 from . import keys
-from .durations import format_duration
+from .durations import EPOCH, format_duration
 from .errors import ConfigError, NotAQueue
 from .records import text
 from .scheduler.cron import CronError, parse
@@ -328,9 +328,9 @@ def outbox_backfill(task_type: str, since_text: str, until_text: str | None) -> 
         click.echo(f"of the events of that type the outbox keeps (OUTBOX_RETENTION), {kept}")
 
 
-#: The times a time option takes: none before the epoch (the tools count in ms since it), none so late that
-#: showing it in a zone east of UTC passes the year 9999.
-EARLIEST, LATEST = datetime(1970, 1, 1, tzinfo=UTC), datetime(9999, 1, 1, tzinfo=UTC)
+#: The end of the times a time option takes (from the epoch, :data:`~dramatiq_gp.durations.EPOCH`): none so late
+#: that showing it in a zone east of UTC passes the year 9999.
+LATEST = datetime(9999, 1, 1, tzinfo=UTC)
 
 
 def _moment(text: str, option: str) -> datetime:
@@ -347,12 +347,12 @@ def _moment(text: str, option: str) -> datetime:
             _fail(f"{option} {text!r}: expected an ISO time (2026-12-01T09:00:00Z) or a duration ago (2h)")
             raise
         now = datetime.now(UTC)
-        if ago > now - EARLIEST:  # compared first: now - ago overflows for ago past the year 1
+        if ago > now - EPOCH:  # compared first: now - ago overflows for ago past the year 1
             _fail(out_of_range)
         return now - ago
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    if not EARLIEST <= moment < LATEST:
+    if not EPOCH <= moment < LATEST:
         _fail(out_of_range)
     return moment
 

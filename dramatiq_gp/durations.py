@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 _UNITS = {
     "ms": timedelta(milliseconds=1),
@@ -12,6 +12,9 @@ _UNITS = {
     "h": timedelta(hours=1),
     "d": timedelta(days=1),
 }
+#: The earliest time the kit keeps (a dispatch's ``at=``, a stored date, a time option): the tools count in ms since
+#: it, and ``@every`` ticks are anchored to it.
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: The furthest ahead the kit keeps a time: a dispatch's due time, an ``@every`` interval, a stored one-off
 #: entry's date. Far past any reminder or period a business uses, and far from the year 9999 a ``datetime``
 #: ends at, so every tool shows such a time in any zone.

@@ -34,16 +34,16 @@ from typing import Any, cast
 
 import redis
 import sqlalchemy as sa
-from dramatiq.common import q_name
 
 from . import keys
 from .brokers.kinds import view_for
+from .brokers.view import is_queue_name
 from .endpoint import Response
 from .health import recorded
 from .prometheus import exposition
 from .records import text
 from .scheduler.status import scheduler_status
-from .settings import QUEUE_NAME, Settings
+from .settings import Settings
 from .status import LIVE_MS, outbox_status
 
 logger = logging.getLogger(__name__)
@@ -239,14 +239,14 @@ class Exporter:
 
     def _queue_names(self, into: Samples) -> list[str]:
         """The queues to count: at most :data:`MAX_QUEUES` of the names recorded, those of the queue-name grammar
-        (:data:`~dramatiq_gp.settings.QUEUE_NAME`, no delay or dead-letter queue, none of Dramatiq's own)."""
+        (:func:`~dramatiq_gp.brokers.view.is_queue_name`: no delay or dead-letter queue; none of Dramatiq's own)."""
         key = keys.declared_queues(self.namespace)
         recorded = self.client.scard(key)
         members = self.client.smembers(key) if recorded <= MAX_QUEUES else self.client.sscan_iter(key, count=100)
         names = sorted(
             name
             for name in (text(member) for member in itertools.islice(members, MAX_QUEUES))
-            if QUEUE_NAME.fullmatch(name) and q_name(name) == name and not name.startswith("__")
+            if is_queue_name(name) and not name.startswith("__")
         )
         left_out = recorded - len(names)
         _gauge(into, "dramatiq_gp_exporter_queues_left_out", (), left_out)

@@ -333,6 +333,26 @@ class KitBroker(Broker):
             BrokerUnreachable: naming the address (password redacted).
         """
 
+    def admit(self, consumer: Any, message: MessageProxy, home: str, delayed: bool) -> bool:
+        """Whether ``message``, fetched by ``consumer`` from queue ``home`` (its delay queue when ``delayed``), is
+        for the worker threads; if not, it is held (:meth:`hold_or_skip_unknown`) or set aside
+        (:meth:`set_aside_misrouted`) here.
+
+        A queue is a boundary: only the actors declared on it run from it, its delay
+        queue included. A delayed message for a task type unknown here is parked as
+        any other, and looked at again when it comes due on its queue.
+        """
+        actor = self.actors.get(message.actor_name)
+        if actor is not None and actor.queue_name == home:
+            return True
+        if actor is None:
+            if delayed:
+                return True
+            self.hold_or_skip_unknown(consumer, message)
+            return False
+        self.set_aside_misrouted(consumer, message, actor.queue_name)
+        return False
+
     def hold_or_skip_unknown(self, consumer: Any, message: MessageProxy) -> None:
         """Put back ``message``, whose task type no actor here handles, or skip it once the grace is over.
 

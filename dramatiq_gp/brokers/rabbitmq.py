@@ -761,20 +761,9 @@ class _Consumer(_RabbitmqConsumer):
         self.known_tags.add(method.delivery_tag)
         self._delivered.append(method.delivery_tag)
         message._consumer = self
-        # A queue is a boundary: only the actors declared on it run from it (on its delay queue too).
-        actor = self.broker.actors.get(decoded.actor_name)
-        if self._delayed:
-            if actor is None or actor.queue_name == self._home:
-                return message  # parked in the consumer until due; an unknown type is looked at on its queue
-        else:
+        if not self._delayed:
             self.last_received = decoded  # what the beat records: one assignment, no work per message
-            if actor is not None and actor.queue_name == self._home:
-                return message
-            if actor is None:
-                self.broker.hold_or_skip_unknown(self, message)
-                return None
-        self.broker.set_aside_misrouted(self, message, actor.queue_name)
-        return None
+        return message if self.broker.admit(self, message, self._home, self._delayed) else None
 
     def _set_aside(self, tag: int, body: bytes, reason: str) -> None:
         """Publish ``body`` to the dead-letter queue, ``reason`` in a header, confirmed, then ack it (a nack's dead

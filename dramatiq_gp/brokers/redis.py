@@ -601,9 +601,7 @@ class _Consumer(_RedisConsumer):
 
     def _accept(self, batch: list[tuple[str, bytes | None]]) -> list[MessageProxy]:
         """The messages of ``batch`` for the worker threads; the others are set aside or held here."""
-        delayed = is_delay_queue(self.queue_name)
-        # A queue is a boundary: only the actors declared on it run from it (on its delay queue too).
-        actors, home = self.broker.actors, q_name(self.queue_name)
+        delayed, home = is_delay_queue(self.queue_name), q_name(self.queue_name)
         accepted = []
         for redis_id, data in batch:
             if data is None:  # Dramatiq #266
@@ -618,18 +616,9 @@ class _Consumer(_RedisConsumer):
                 continue
             message = MessageProxy(decoded)
             self.queued_message_ids.add(message.message_id)
-            actor = actors.get(message.actor_name)
-            if actor is not None and actor.queue_name == home:
-                accepted.append(message)
-                continue
-            if actor is None and delayed:
-                accepted.append(message)  # parked here until due; looked at again on its queue
-                continue
             try:
-                if actor is None:
-                    self.broker.hold_or_skip_unknown(self, message)
-                else:
-                    self.broker.set_aside_misrouted(self, message, actor.queue_name)
+                if self.broker.admit(self, message, home, delayed):
+                    accepted.append(message)
             except ConnectionClosed:
                 raise
             except Exception as exc:

@@ -178,8 +178,12 @@ def dead_letters_of(queue: str) -> str:
 
 
 def is_queue_name(name: str) -> bool:
-    """Whether :func:`dead_letters_of` takes ``name``."""
-    return isinstance(name, str) and bool(QUEUE_NAME.fullmatch(name)) and not name.endswith((".DQ", ".XQ"))
+    """Whether :func:`dead_letters_of` takes ``name``: a queue's own name."""
+    try:
+        dead_letters_of(name)
+    except NotAQueue:
+        return False
+    return True
 
 
 def letter(

@@ -9,16 +9,12 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from ..durations import MAX_AHEAD
+from ..durations import EPOCH, MAX_AHEAD
 from ..errors import DispatchError
 from ..events import event_type
 from ..settings import Settings
 from ..tracecontext import current_carrier
 from .table import CHANNEL, OUTBOX_EVENTS
-
-#: The earliest ``at=`` taken (a time past means now): before it, a time is a placeholder (``datetime.min``), and
-#: in ms since the epoch, as the tools and messages count, it is negative.
-EARLIEST_AT = datetime(1970, 1, 1, tzinfo=UTC)
 
 _INSERT = OUTBOX_EVENTS.insert()
 _NOTIFY = sa.text(f"SELECT pg_notify('{CHANNEL}', '')")
@@ -142,7 +138,7 @@ def due_time(delay: timedelta | None, at: datetime | None) -> datetime | None:
             raise DispatchError(f"dispatch at= takes a datetime.datetime, not {type(at).__name__} {at!r}")
         if at.tzinfo is None or at.utcoffset() is None:
             raise DispatchError(f"dispatch at= takes an aware datetime (with a tzinfo), not the naive {at.isoformat()}")
-        if at < EARLIEST_AT:
+        if at < EPOCH:  # a placeholder (datetime.min), negative in ms since the epoch as the tools count
             raise DispatchError(
                 f"dispatch at={at.isoformat()} is before 1970: give a time from 1970 on (a past one means now)"
             )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo
 
-from ..durations import MAX_AHEAD, parse_duration
+from ..durations import EPOCH, MAX_AHEAD, parse_duration
 from ..errors import GPError
 
 DESCRIPTORS = {
@@ -53,7 +53,6 @@ _ITEM = re.compile(r"^(?:(\*)|([a-z0-9]+)(?:-([a-z0-9]+))?)(?:/(\d+))?$")
 #: A day field spelled like this does not restrict, so the other day field alone decides.
 _UNRESTRICTED = ("*", "*/1")
 _DAYS_IN_MONTH = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: How far ahead a search looks before calling a spec one that never fires (covers leap days).
 _SEARCH_DAYS = 366 * 8
 #: More than any daylight-saving shift (the largest in use is 2 h).

@@ -46,14 +46,14 @@ from apscheduler.triggers.interval import IntervalTrigger
 from dramatiq import Actor
 
 from .. import keys
-from ..durations import MAX_AHEAD
+from ..durations import EPOCH, MAX_AHEAD
 from ..errors import EventEncodeError, EventError, PayloadMismatch
 from ..events import event_type, event_type_named
 from ..lua import scripts
 from ..names import EVENT_QUEUE, NAME
 from ..records import RECORD_DEPTH, TooDeep, check_depth, json_object, json_value, text, unreadable
 from ..settings import QUEUE_NAME
-from .cron import EPOCH, CronError, parse
+from .cron import CronError, parse
 from .schedule import OVERLAP_OPTION, OVERLAPS, Entry, Overlap, Schedule, ScheduleError, check_known, zone_named
 from .targets import Checker, refuse_kit_task_type, refuse_options
 from .triggers import SpecTrigger
