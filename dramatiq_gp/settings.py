@@ -471,7 +471,7 @@ class RabbitmqSettings(BaseSettings):
     scheduler's lease and ticks, the idempotency claims and done marks).
     """
 
-    model_config = SettingsConfigDict(env_prefix="RABBITMQ_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="RABBITMQ_", extra="ignore")
 
     #: ``amqp://`` or ``amqps://``; several nodes of a cluster separated by ``;``.
     url: SecretStr | None = Field(default=None, validation_alias="BROKER_URL")

@@ -375,6 +375,14 @@ def test_broker_url_puts_the_kits_queues_on_rabbitmq_and_listeners_run_there(
     wait_for(lambda: kit.broker.get_queue_message_counts(EVENT_QUEUE) == (0, 0, 0))
 
 
+def test_only_broker_url_moves_the_queues_to_rabbitmq_not_a_rabbitmq_url_set_for_something_else(clean_env):
+    # A common name in an environment (this suite's own, a compose file's): it moved the queues to RabbitMQ.
+    clean_env.setenv("RABBITMQ_URL", URL)
+    assert gp.Settings.from_env().rabbitmq.url is None
+    clean_env.setenv("BROKER_URL", URL)
+    assert gp.Settings.from_env().rabbitmq.url is not None
+
+
 @pytest.mark.parametrize(
     ("env", "error"),
     [
