@@ -3,8 +3,10 @@
 The servers come from :mod:`devtools.services`: the configured or local ones if
 they answer, embedded ones otherwise. Tests never skip for lack of one. The
 RabbitMQ half of a test run on both brokers (the ``broker`` fixture) needs a
-RabbitMQ at ``RABBITMQ_URL`` (the local one by default), and is skipped in one
-line without one.
+RabbitMQ at ``RABBITMQ_URL``, and is skipped in one line without one. Unset, it is
+the local one, on a vhost of this run's own (made here, deleted at the end), so
+two runs side by side never share a queue; where no vhost can be made (rabbitmqctl
+cannot be run), the default one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ sys.path.insert(0, str(ROOT))
 
 from telemetry_worker import Worker  # noqa: E402
 
+from servers import delete_rabbitmq_vhost, own_rabbitmq_vhost  # noqa: E402
+
+#: The vhost this run made for itself (before ``helpers`` reads ``RABBITMQ_URL``), deleted in pytest_unconfigure.
+OWN_VHOST = None if "RABBITMQ_URL" in os.environ else own_rabbitmq_vhost()
+if OWN_VHOST is not None:
+    os.environ["RABBITMQ_URL"] = f"amqp://guest:guest@127.0.0.1:5672/{OWN_VHOST}"
+
 import dramatiq_gp as gp  # noqa: E402
 from collector import Collector, start_collector  # noqa: E402
 from devtools.services import services  # noqa: E402
@@ -39,6 +48,15 @@ from helpers import KIT_PREFIXES, RABBITMQ_URL, close_broker, own_database, rabb
 
 # The browser tests' fixtures (``browser``, ``page``), in a module of their own.
 pytest_plugins = ["browser"]
+
+
+def pytest_report_header() -> str:
+    return f"RabbitMQ: {'vhost ' + OWN_VHOST + ' of this run' if OWN_VHOST else 'RABBITMQ_URL or the default vhost'}"
+
+
+def pytest_unconfigure() -> None:
+    if OWN_VHOST is not None:
+        delete_rabbitmq_vhost(OWN_VHOST)
 
 
 @pytest.fixture(autouse=True)

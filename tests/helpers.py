@@ -30,6 +30,8 @@ from dramatiq_gp import keys
 
 #: The RabbitMQ the tests use (``RABBITMQ_URL``; the local one by default).
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+#: Its vhost, as ``rabbitmqctl -p`` takes it.
+RABBITMQ_VHOST = urllib.parse.unquote(urlsplit(RABBITMQ_URL).path.removeprefix("/")) or "/"
 
 
 #: The prefixes of every variable the kit reads: a test's environment starts without them.

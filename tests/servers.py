@@ -157,6 +157,37 @@ def rabbitmq_ctl(*args: str) -> str:
     return _ctl(LOCAL_NODE, *args).stdout
 
 
+def own_rabbitmq_vhost() -> str | None:
+    """Make a vhost of this test run's own on the machine's RabbitMQ, open to ``guest``; its name, or None where
+    it cannot be made (no local node answers, or rabbitmqctl cannot be run here).
+
+    The tests that run on RabbitMQ use fixed queue names (``default``, ``qa``...) and delete them first: two runs
+    side by side on the default vhost would delete each other's queues.
+    """
+    import socket
+    import uuid
+
+    if rabbitmq_unavailable() is not None:
+        return None
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+    except OSError:
+        return None
+    vhost = f"gpt-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    try:
+        _ctl(LOCAL_NODE, "add_vhost", vhost, timeout=30)
+        _ctl(LOCAL_NODE, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*", timeout=30)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired):
+        _ctl(LOCAL_NODE, "delete_vhost", vhost, timeout=30, check=False)
+        return None
+    return vhost
+
+
+def delete_rabbitmq_vhost(vhost: str) -> None:
+    """Delete the vhost :func:`own_rabbitmq_vhost` made, with its queues."""
+    _ctl(LOCAL_NODE, "delete_vhost", vhost, timeout=30, check=False)
+
+
 def _free_ports(count: int) -> list[int]:
     """``count`` ports for servers that restart on them, none given twice (three nodes take six)."""
     return [server_port() for _ in range(count)]

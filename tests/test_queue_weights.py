@@ -18,7 +18,7 @@ import pytest
 from dramatiq.worker import _WorkQueueItem
 
 import dramatiq_gp as gp
-from helpers import messages_of, ready, wait_for
+from helpers import RABBITMQ_VHOST, messages_of, ready, wait_for
 from servers import rabbitmq_ctl
 
 
@@ -144,7 +144,10 @@ def test_on_rabbitmq_each_consumers_prefetch_is_its_basic_qos(broker, make_kit, 
 
 def _prefetch_counts(queues: dict[str, int]) -> dict[str, int]:
     """The prefetch count of each consumer of ``queues`` on the local RabbitMQ (``rabbitmqctl list_consumers``)."""
-    rows = json.loads(rabbitmq_ctl("list_consumers", "-q", "queue_name", "prefetch_count", "--formatter", "json"))
+    listed = rabbitmq_ctl(
+        "list_consumers", "-p", RABBITMQ_VHOST, "-q", "queue_name", "prefetch_count", "--formatter", "json"
+    )
+    rows = json.loads(listed)
     return {row["queue_name"]: row["prefetch_count"] for row in rows if row["queue_name"] in queues}
 
 
