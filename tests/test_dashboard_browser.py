@@ -331,6 +331,7 @@ def _store_through_the_form(page: Any, url: str) -> None:
     form.locator('input[name="zone"]').fill("Europe/Budapest")
     form.locator('input[name="event"]').fill("shop.digest_due")
     form.locator("#add-button").click()
+    _shot(page, "confirm-store")
     _confirm(page, "Store schedule entry digest.eu-central?")
     assert "entry digest.eu-central stored: next fire" in page.locator(".flash").inner_text()
     row = page.locator('#stored tr[data-entry="digest.eu-central"]')
